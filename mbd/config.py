@@ -1,0 +1,201 @@
+"""Configuration models shared by every layer.
+
+Configs are pydantic models so that a bad value fails at load time with the field name, the value
+and the allowed range, instead of deep inside a forward pass. YAML files in `configs/` are loaded with
+`load_yaml`; model configs come from a checkpoint's own `config.json` (`ModelConfig.from_hf`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+T = TypeVar("T", bound=BaseModel)
+
+ARCHITECTURES = {"SDARForCausalLM": "sdar", "LLaDA2MoeModelLM": "llada2_moe"}
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is invalid; the message names the field and the fix."""
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class ModelConfig(StrictModel):
+    """Hyperparameters of a BD-LM backbone, read from / written to HuggingFace `config.json`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    family: Literal["sdar", "llada2_moe"]
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    partial_rotary_factor: float = Field(default=1.0, gt=0, le=1)
+    max_position_embeddings: int = Field(default=4096, gt=0)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mask_token_id: int = Field(ge=0)
+    eos_token_id: int = Field(ge=0)
+    pad_token_id: int = Field(default=0, ge=0)
+    block_size: int = Field(default=4, gt=0)
+    # llada2_moe only
+    moe_intermediate_size: int = Field(default=0, ge=0)
+    num_experts: int = Field(default=0, ge=0)
+    num_shared_experts: int = Field(default=0, ge=0)
+    num_experts_per_tok: int = Field(default=0, ge=0)
+    n_group: int = Field(default=1, gt=0)
+    topk_group: int = Field(default=1, gt=0)
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = Field(default=0, ge=0)
+    norm_topk_prob: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.mask_token_id >= self.vocab_size:
+            raise ValueError(f"mask_token_id={self.mask_token_id} must be < vocab_size={self.vocab_size}")
+        if self.family == "llada2_moe" and self.num_experts:
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError("num_experts_per_tok must be <= num_experts")
+            if self.num_experts % self.n_group or self.topk_group > self.n_group:
+                raise ValueError(
+                    f"num_experts={self.num_experts} must divide into n_group={self.n_group} groups "
+                    f"and topk_group={self.topk_group} must be <= n_group"
+                )
+        return self
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from a HuggingFace config dict; the family comes from `architectures`."""
+        archs = hf.get("architectures") or []
+        family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        if family is None:
+            raise ConfigError(
+                f"unknown architecture {archs!r} in config.json: supported are {sorted(ARCHITECTURES)}"
+            )
+        d = dict(hf)
+        d["family"] = family
+        d.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+        d.setdefault("num_key_value_heads", hf["num_attention_heads"])
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            d["eos_token_id"] = eos[0]
+        if d.get("pad_token_id") is None:
+            d["pad_token_id"] = d["eos_token_id"]
+        if family == "llada2_moe":
+            d.setdefault("mask_token_id", 156895)
+            d.setdefault("block_size", 32)
+            d["attention_bias"] = bool(hf.get("use_qkv_bias", False))
+            expert_dim = hf.get("moe_intermediate_size")
+            if expert_dim is not None:
+                d["moe_intermediate_size"] = expert_dim
+        else:
+            d.setdefault("mask_token_id", 151669)
+        try:
+            return cls.model_validate(d)
+        except ValidationError as e:
+            raise ConfigError(f"invalid model config.json: {_fmt(e)}") from e
+
+    def to_hf(self) -> dict[str, Any]:
+        arch = {v: k for k, v in ARCHITECTURES.items()}[self.family]
+        d = self.model_dump(exclude={"family"})
+        d["architectures"] = [arch]
+        d["model_type"] = self.family
+        if self.family == "sdar":
+            for k in ("moe_intermediate_size", "num_experts", "num_shared_experts", "num_experts_per_tok",
+                      "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
+                      "norm_topk_prob", "partial_rotary_factor"):
+                d.pop(k)
+        else:
+            d["use_qkv_bias"] = d.pop("attention_bias")
+            d["score_function"] = "sigmoid"
+            d["moe_router_enable_expert_bias"] = True
+        return d
+
+
+class DecodeConfig(StrictModel):
+    """MultiBD inference hyperparameters (one row of the paper's tab:appendix_infer_hparams).
+
+    buffer_size = 1 is SingleBD. A threshold of None means "not used" (the table's dashes):
+    tau_add None with buffer_size 1, tau_stable None disables the stability check, tau_t2t None
+    disables token-to-token revision.
+    """
+
+    buffer_size: int = Field(default=1, ge=1, le=64, description="N_buf, slots in the Block Buffer")
+    block_size: int | None = Field(default=None, gt=0, description="B; default: the model's block_size")
+    max_length: int = Field(default=4096, gt=0, description="prompt + generation tokens")
+    max_new_tokens: int = Field(default=4096, gt=0)
+    max_nfe: int = Field(default=1024, gt=0, description="forward passes per request")
+    tau_add: float | None = Field(default=None, ge=0, description="activate next block at progress >= tau_add")
+    tau_semi: float = Field(default=0.9, ge=0, le=1)
+    tau_stable: float | None = Field(default=None, ge=0, le=1)
+    tau_m2t: float = Field(default=0.95, ge=0, le=1)
+    tau_t2t: float | None = Field(default=None, ge=0, le=1)
+    temperature: float = Field(default=0.0, ge=0)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> "DecodeConfig":
+        if self.buffer_size > 1 and self.tau_add is None:
+            raise ValueError(f"tau_add is required when buffer_size={self.buffer_size} > 1 (e.g. tau_add: 0.1)")
+        return self
+
+
+def _fmt(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        parts.append(f"field '{loc}': {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(parts)
+
+
+def validate(model: type[T], data: dict[str, Any], source: str = "config") -> T:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{source}: {_fmt(e)}") from e
+
+
+def load_yaml(path: str | Path, model: type[T], section: str | None = None) -> T:
+    """Load and validate a YAML config; `section` picks a top-level key (e.g. 'decode')."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from e
+    if section is not None:
+        if section not in data:
+            raise ConfigError(f"{p}: missing top-level section '{section}'")
+        data = data[section]
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of fields, got {type(data).__name__}")
+    return validate(model, data, str(p))
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e}") from e

@@ -1,0 +1,54 @@
+"""Static prefix KV cache, one row per request slot.
+
+Shapes never change after allocation, so a decode step can be captured as a CUDA Graph. Every forward
+that is given the cache scatters the K/V of its tokens into their absolute positions; positions at or past
+`lengths[row]` are scratch that attention only sees through the caller's mask. `commit(rows, n)` makes the
+next n positions of a row part of the immutable prefix: the K/V there were written by the forward in which
+those tokens were final (the TO_CACHE step), which is the paper's decode-store overlap. The cache holds
+`max_len + margin` positions so that a full Block Buffer past the last committed token always fits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mbd.config import ModelConfig
+from mbd.model.tp import SINGLE, TPGroup
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, rows: int, max_len: int, margin: int = 0,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp: TPGroup = SINGLE):
+        heads = tp.split(cfg.num_key_value_heads, "num_key_value_heads")
+        self.size = max_len + margin
+        self.max_len = max_len
+        shape = (cfg.num_hidden_layers, rows, heads, self.size, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | None):
+        """Scatter k/v [b, kvh, n, d] to absolute positions pos [b, n] of `rows` (None: all rows, in order)."""
+        idx = pos.clamp(max=self.size - 1).view(pos.shape[0], 1, -1, 1).expand(-1, k.shape[1], -1, k.shape[3])
+        if rows is None:
+            self.k[layer].scatter_(2, idx, k)
+            self.v[layer].scatter_(2, idx, v)
+        else:
+            self.k[layer, rows] = self.k[layer, rows].scatter(2, idx, k)
+            self.v[layer, rows] = self.v[layer, rows].scatter(2, idx, v)
+
+    def read(self, layer: int, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if rows is None:
+            return self.k[layer], self.v[layer]
+        return self.k[layer, rows], self.v[layer, rows]
+
+    def commit(self, rows: torch.Tensor, n: torch.Tensor | int) -> None:
+        """Extend the committed prefix of `rows` by n tokens (their K/V are already in place)."""
+        self.lengths[rows] += n
+
+    def reset(self, rows: torch.Tensor | int) -> None:
+        self.lengths[rows] = 0

@@ -1,0 +1,141 @@
+"""HuggingFace-format checkpoints: config.json + *.safetensors (optionally sharded with an index).
+
+safetensors only: pickled weights (`*.bin`, `*.pt`) are refused, and no code from the checkpoint directory
+is ever imported. Under tensor parallelism each rank reads the full tensors and keeps its own shard.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from mbd.config import ConfigError, ModelConfig, read_json
+from mbd.model.llada2_moe import LLaDA2MoeModelLM
+from mbd.model.sdar import SDARForCausalLM
+from mbd.model.tp import SINGLE, TPGroup
+
+FAMILIES = {"sdar": SDARForCausalLM, "llada2_moe": LLaDA2MoeModelLM}
+ALIASES = {"e_score_correction_bias": "expert_bias"}
+INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory cannot be loaded; the message says which file/tensor and why."""
+
+
+def build_model(cfg: ModelConfig, tp: TPGroup = SINGLE, seed: int | None = 0) -> nn.Module:
+    """A randomly initialised model (std 0.02 normal, norms at 1) of the config's family."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = FAMILIES[cfg.family](cfg, tp)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            nn.init.normal_(p, std=0.02)
+    return model
+
+
+def _tensor_files(d: Path) -> dict[str, Path]:
+    """Map tensor name -> safetensors file."""
+    if (d / INDEX).is_file():
+        weight_map = read_json(d / INDEX).get("weight_map", {})
+        return {k: d / v for k, v in weight_map.items()}
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in d.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"})
+        if pickles:
+            raise CheckpointError(
+                f"{d}: only pickled weights found ({', '.join(pickles)}); pickles can run code and are refused. "
+                "Convert them to safetensors (e.g. with `safetensors.torch.save_file`) on a trusted machine."
+            )
+        raise CheckpointError(f"{d}: no *.safetensors weights found")
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                out[k] = f
+    return out
+
+
+def _canonical(name: str) -> str:
+    head, _, leaf = name.rpartition(".")
+    return f"{head}.{ALIASES.get(leaf, leaf)}" if leaf in ALIASES else name
+
+
+def load_checkpoint(path: str | Path, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> tuple[nn.Module, ModelConfig]:
+    d = Path(path)
+    if not (d / "config.json").is_file():
+        raise CheckpointError(f"{d}: missing config.json (expected a HuggingFace-format model directory)")
+    try:
+        cfg = ModelConfig.from_hf(read_json(d / "config.json"))
+    except ConfigError as e:
+        raise CheckpointError(f"{d}: {e}") from e
+    files = {_canonical(k): (k, f) for k, f in _tensor_files(d).items()}
+    with torch.device("meta"):
+        model = FAMILIES[cfg.family](cfg, tp)
+    modules = dict(model.named_modules())
+    state = {}
+    expected = dict(model.state_dict(keep_vars=True))
+    tied = cfg.tie_word_embeddings
+    missing = []
+    handles: dict[Path, object] = {}
+    for name, ref in expected.items():
+        src = name
+        if src not in files and tied and name == "lm_head.weight":
+            src = next(k for k in expected if k.endswith("embed_tokens.weight") or k.endswith("word_embeddings.weight"))
+        if src not in files:
+            missing.append(name)
+            continue
+        orig, f = files[src]
+        if f not in handles:
+            handles[f] = safe_open(str(f), framework="pt")
+        full = handles[f].get_tensor(orig)
+        owner = modules[name.rpartition(".")[0]]
+        t = owner.shard_(name, full) if hasattr(owner, "shard_") and owner.tp.world > 1 else full
+        if tuple(t.shape) != tuple(ref.shape):
+            raise CheckpointError(
+                f"{d}: tensor '{orig}' has shape {tuple(full.shape)}, the config implies "
+                f"{tuple(ref.shape)} per rank (tp={tp.world}); is config.json the one saved with these weights?"
+            )
+        state[name] = t.to(dtype)
+    if missing:
+        raise CheckpointError(f"{d}: missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)} in all)")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    return model.to(device).eval(), cfg
+
+
+def save_checkpoint(model: nn.Module, cfg: ModelConfig, path: str | Path, shard_bytes: int | None = None) -> Path:
+    """Write config.json + model.safetensors (or shards + index when `shard_bytes` is set). TP=1 models only."""
+    if getattr(model, "tp", SINGLE).world != 1:
+        raise ValueError("save_checkpoint needs the unsharded model (tensor_parallel_size=1)")
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    (d / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    if not shard_bytes:
+        save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+        return d
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in state.items():
+        n = v.numel() * v.element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += n
+    weight_map = {}
+    for i, s in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(s, str(d / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in s})
+    (d / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    return d

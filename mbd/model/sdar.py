@@ -1,0 +1,72 @@
+"""SDAR: a Qwen3-style dense decoder (q/k RMSNorm, RoPE, SwiGLU) trained as a block diffusion LM.
+
+Module attribute names equal the tensor names of SDAR's HuggingFace checkpoints
+(`model.layers.N.self_attn.q_proj.weight`, ...), so a state dict loads without renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mbd.config import ModelConfig
+from mbd.model.base import CausalLMBase, self_attention
+from mbd.model.layers import RMSNorm, SwiGLU, apply_rope
+from mbd.model.tp import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelHead
+
+
+class SDARAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
+        self.n_kv = tp.split(cfg.num_key_value_heads, "num_key_value_heads")
+        self.hd = hd
+        self.q_proj = ColumnParallelLinear(d, cfg.num_attention_heads * hd, cfg.attention_bias, tp)
+        self.k_proj = ColumnParallelLinear(d, cfg.num_key_value_heads * hd, cfg.attention_bias, tp)
+        self.v_proj = ColumnParallelLinear(d, cfg.num_key_value_heads * hd, cfg.attention_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, d, False, tp)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache, layer, pos, rows):
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.n_heads, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(self_attention(q, k, v, mask, cache, layer, pos, rows))
+
+
+class SDARDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SDARAttention(cfg, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, tp)
+
+    def forward(self, h, cos, sin, mask, cache, layer, pos, rows):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, layer, pos, rows)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class SDARModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(SDARDecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.embed_tokens
+
+
+class SDARForCausalLM(CausalLMBase):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE):
+        super().__init__()
+        self.cfg, self.tp = cfg, tp
+        self.model = SDARModel(cfg, tp)
+        self.lm_head = VocabParallelHead(cfg.hidden_size, cfg.vocab_size, tp)
+        self.tie_weights()

@@ -1,0 +1,25 @@
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def tiny_cfg(family: str = "sdar", **kw):
+    from mbd.config import ModelConfig
+
+    base = dict(family=family, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, mask_token_id=63, eos_token_id=62,
+                pad_token_id=61, block_size=4, max_position_embeddings=256, rope_theta=10000.0)
+    if family == "llada2_moe":
+        base.update(num_experts=8, num_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+                    moe_intermediate_size=16, first_k_dense_replace=1, partial_rotary_factor=0.5,
+                    routed_scaling_factor=2.5, num_hidden_layers=3)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.fixture(params=["sdar", "llada2_moe"])
+def family(request):
+    return request.param
