@@ -1,0 +1,100 @@
+"""MultiTF corruption: noisy ids for one group-layout, and the expansion of a sequence into rows.
+
+Masking rule (alg:multitf_training): block k with ratio t_k masks exactly n_k = floor(B * t_k) positions,
+chosen uniformly without replacement among its MASKABLE positions, i.e. response positions
+(prompt_len <= p < prompt_len + response_len; the response includes its EOS). Prompt positions of the
+block that holds the prompt tail and pad positions of the last block are never masked. When a block
+has fewer maskable positions than floor(B * t_k) (that boundary block or the last block) n_k is
+clamped to the number of maskable positions, so t_k stays a per-block ratio of B as in the paper
+rather than being rescaled per block.
+
+The ratio is rounded to float32 BEFORE the count is taken, so that floor(B * block_ratio) recomputed
+from a stored row gives the same count.
+
+`expand_sequence` turns one clean sequence into |Lambda| training rows, one per group-layout; its
+randomness is keyed by (seed, seq_id, epoch, layout_index) through `rng.generator`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mbd.multitf.layouts import build_layout, first_response_block, layout_specs
+from mbd.multitf.rng import Purpose, generator
+from mbd.multitf.schedulers import NoiseScheduler
+
+# field -> (Arrow-style dtype, meaning); L = padded length (a multiple of B), K = L / B blocks.
+ROW_SCHEMA: dict[str, tuple[str, str]] = {
+    "seq_id": ("int64", "stable id of the clean sequence; keys the random streams"),
+    "epoch": ("int32", "expansion epoch; a new epoch draws fresh layouts and noise"),
+    "layout_index": ("int32", "index in Lambda: systematic (g, h) ascending, then random layouts"),
+    "layout_kind": ("string", "'systematic' or 'random'"),
+    "g": ("int32", "noise-group size of a systematic layout; -1 for a random layout"),
+    "h": ("int32", "shift of a systematic layout; -1 for a random layout"),
+    "noisy_ids": ("list<int32>[L]", "x_t: clean_ids with the sampled positions set to the mask token"),
+    "clean_ids": ("list<int32>[L]", "x_0: prompt + response + EOS, then pad tokens up to L"),
+    "block_group": ("list<int32>[K]", "noise-group id per block; -1 = clean prompt block"),
+    "block_ratio": ("list<float32>[K]", "mask ratio t per block; 0 for clean blocks"),
+    "prompt_len": ("int32", "prompt tokens (chat template applied)"),
+    "response_len": ("int32", "response tokens including the appended EOS"),
+    "total_len": ("int32", "prompt_len + response_len; positions >= total_len are padding"),
+}
+
+
+def mask_counts(block_ratio: np.ndarray, maskable: np.ndarray, block_size: int) -> np.ndarray:
+    """n_k = min(floor(B * t_k), maskable positions of block k)."""
+    want = np.floor(block_size * np.asarray(block_ratio, dtype=np.float64)).astype(np.int64)
+    return np.minimum(want, maskable.sum(axis=1))
+
+
+def sample_masked(block_ratio: np.ndarray, maskable: np.ndarray, block_size: int,
+                  rng: np.random.Generator) -> np.ndarray:
+    """Boolean [K, B]: exactly n_k uniformly chosen maskable positions per block."""
+    counts = mask_counts(block_ratio, maskable, block_size)
+    keys = rng.random(maskable.shape)
+    keys[~maskable] = 2.0  # non-maskable positions sort last and are never picked
+    order = np.argsort(keys, axis=1)
+    masked = np.zeros(maskable.shape, dtype=bool)
+    np.put_along_axis(masked, order, np.arange(maskable.shape[1]) < counts[:, None], axis=1)
+    return masked
+
+
+def corrupt(clean_ids: np.ndarray, block_ratio: np.ndarray, prompt_len: int, response_len: int,
+            block_size: int, mask_token_id: int, rng: np.random.Generator) -> np.ndarray:
+    """Noisy ids x_t for one layout's per-block ratios."""
+    ids = np.asarray(clean_ids)
+    pos = np.arange(ids.size).reshape(-1, block_size)
+    maskable = (pos >= prompt_len) & (pos < prompt_len + response_len)
+    masked = sample_masked(block_ratio, maskable, block_size, rng).reshape(-1)
+    return np.where(masked, mask_token_id, ids).astype(ids.dtype)
+
+
+def expand_sequence(clean_ids: np.ndarray, prompt_len: int, response_len: int, *, block_size: int,
+                    gmax: int, n_rand: int, scheduler: NoiseScheduler, mask_token_id: int,
+                    seed: int, seq_id: int, epoch: int) -> list[dict[str, Any]]:
+    """All |Lambda| = (Gmax+2)(Gmax-1)/2 + N_rand training rows of one sequence (schema: ROW_SCHEMA)."""
+    ids = np.asarray(clean_ids, dtype=np.int32)
+    total = prompt_len + response_len
+    if ids.size % block_size:
+        raise ValueError(f"clean_ids length {ids.size} must be a multiple of block_size={block_size}: pad first")
+    if response_len < 1 or prompt_len < 0 or total > ids.size:
+        raise ValueError(f"need response_len >= 1, prompt_len >= 0, prompt_len + response_len <= {ids.size}; "
+                         f"got prompt_len={prompt_len}, response_len={response_len}")
+    num_blocks = ids.size // block_size
+    first = first_response_block(prompt_len, block_size)
+    rows = []
+    for index, spec in enumerate(layout_specs(gmax, n_rand)):
+        key = (seed, seq_id, epoch, index)
+        block_group = build_layout(spec, num_blocks, first, gmax, generator(*key, Purpose.LAYOUT))
+        ratio = scheduler.sample(block_group, generator(*key, Purpose.RATIOS)).astype(np.float32)
+        noisy = corrupt(ids, ratio, prompt_len, response_len, block_size, mask_token_id,
+                        generator(*key, Purpose.POSITIONS))
+        rows.append({
+            "seq_id": seq_id, "epoch": epoch, "layout_index": index, "layout_kind": spec.kind,
+            "g": spec.g, "h": spec.h, "noisy_ids": noisy, "clean_ids": ids,
+            "block_group": block_group, "block_ratio": ratio,
+            "prompt_len": prompt_len, "response_len": response_len, "total_len": total,
+        })
+    return rows

@@ -1,0 +1,139 @@
+"""Block-level noise-schedulers: per-block mask ratios for one group-layout.
+
+Every scheduler has the same interface, `sample(block_group, rng) -> block_ratio`: it takes the
+per-block group ids of a layout (-1 = clean prompt block, see `layouts.py`) and returns one mask
+ratio per block (0.0 for clean blocks). Inside a noise-group H_m = (j_1, ..., j_n) "slot i" is the
+i-th block of the group. Definitions (t_low <= t_high in [0, 1]):
+
+- chain_uniform (paper alg:multitf_training, sec:appendix_chain_uniform_scheduler):
+  t_eff = t_high - rho (t_high - t_low); l ~ U(t_low, t_eff); t_{j_i} ~ U(l, t_eff), l <- t_{j_i}.
+- d2f (D2F-style monotonic): the D2F training recipe's monotonic schedule, per noise-group, with
+  D2F's fixed bounds replaced by (t_low, t_high): t_{j_1} ~ U(t_low, t_high), then increments
+  d_i ~ U(0, (t_high - t_{j_1}) / (n - 1)) and t_{j_i} = t_{j_1} + d_2 + ... + d_i, so the ratios are
+  non-decreasing, steps are small and similar, and t_{j_n} <= t_high. Over a single group that covers
+  all response blocks this is D2F's schedule over the whole noisy suffix.
+- random (ablation with power-law bias gamma_rand): every block independently,
+  t = t_low + (t_high - t_low) u^gamma_rand, u ~ U(0, 1). No order inside the group; gamma_rand > 1
+  biases towards t_low (lightly masked blocks), gamma_rand < 1 towards t_high, 1 is uniform.
+- sorted_uniform (alg:sorted_uniform_scheduler): u_1..u_n iid U(t_low, t_high), sorted ascending.
+
+All of them are vectorised over groups (a loop over slots, not over blocks) because the expansion
+job calls them |Lambda| times per sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SchedulerName = Literal["chain_uniform", "d2f", "random", "sorted_uniform"]
+
+
+class SchedulerConfig(BaseModel):
+    """Noise-scheduler choice and parameters (tab:appendix_train_hparams: t_low, t_high, rho).
+
+    rho is the paper's noise_transition_margin_ratio (its value, rho_cfg, is not reported; 0 makes
+    t_eff = t_high). gamma_rand is used only by the `random` scheduler.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: SchedulerName = "chain_uniform"
+    t_low: float = Field(default=0.001, ge=0.0, le=1.0)
+    t_high: float = Field(default=1.0, ge=0.0, le=1.0)
+    rho: float = Field(default=0.0, ge=0.0, le=1.0)
+    gamma_rand: float = Field(default=1.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SchedulerConfig":
+        if self.t_low > self.t_high:
+            raise ValueError(f"t_low={self.t_low} must be <= t_high={self.t_high}")
+        return self
+
+    @property
+    def t_eff(self) -> float:
+        return self.t_high - self.rho * (self.t_high - self.t_low)
+
+
+class NoiseScheduler:
+    """Maps a layout's per-block group ids to per-block mask ratios; subclasses define `sample_groups`."""
+
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+
+    def sample(self, block_group: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Per-block ratios (float64, length K); 0.0 for clean blocks (group id -1)."""
+        ids = np.asarray(block_group)
+        member = ids >= 0
+        gid = ids[member].astype(np.int64)
+        ratios = np.zeros(ids.shape[0], dtype=np.float64)
+        if gid.size:
+            steps = np.diff(gid)
+            if gid[0] != 0 or np.any((steps < 0) | (steps > 1)):
+                raise ValueError(
+                    f"block_group must number noise-groups 0, 1, 2, ... in block order, got {ids.tolist()}")
+            ratios[member] = self.sample_groups(gid, rng)
+        return ratios
+
+    def sample_groups(self, gid: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Ratios of the member blocks given their group ids (non-decreasing 0, 0, 1, 2, 2, ...)."""
+        raise NotImplementedError
+
+
+def _slots(gid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(group sizes, first member index of each group, slot of each member block inside its group)."""
+    sizes = np.bincount(gid)
+    starts = np.cumsum(sizes) - sizes
+    return sizes, starts, np.arange(gid.size) - starts[gid]
+
+
+class ChainUniform(NoiseScheduler):
+    def sample_groups(self, gid: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        t_low, t_eff = self.cfg.t_low, self.cfg.t_eff
+        sizes, _, slot = _slots(gid)
+        floor = rng.uniform(t_low, t_eff, size=sizes.size)
+        out = np.empty(gid.size)
+        for s in range(int(sizes.max())):
+            at = slot == s
+            t = rng.uniform(floor[gid[at]], t_eff)
+            floor[gid[at]] = t
+            out[at] = t
+        return out
+
+
+class D2FMonotonic(NoiseScheduler):
+    def sample_groups(self, gid: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        t_low, t_high = self.cfg.t_low, self.cfg.t_high
+        sizes, starts, slot = _slots(gid)
+        base = rng.uniform(t_low, t_high, size=sizes.size)
+        max_step = (t_high - base) / np.maximum(sizes - 1, 1)
+        inc = rng.uniform(0.0, 1.0, size=gid.size) * max_step[gid]
+        inc[slot == 0] = 0.0
+        csum = np.cumsum(inc)
+        return np.minimum(base[gid] + csum - csum[starts][gid], t_high)
+
+
+class RandomPowerLaw(NoiseScheduler):
+    def sample_groups(self, gid: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        t_low, t_high = self.cfg.t_low, self.cfg.t_high
+        return t_low + (t_high - t_low) * rng.random(gid.size) ** self.cfg.gamma_rand
+
+
+class SortedUniform(NoiseScheduler):
+    def sample_groups(self, gid: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        u = rng.uniform(self.cfg.t_low, self.cfg.t_high, size=gid.size)
+        return u[np.lexsort((u, gid))]
+
+
+_SCHEDULERS: dict[str, type[NoiseScheduler]] = {
+    "chain_uniform": ChainUniform,
+    "d2f": D2FMonotonic,
+    "random": RandomPowerLaw,
+    "sorted_uniform": SortedUniform,
+}
+
+
+def build_scheduler(cfg: SchedulerConfig) -> NoiseScheduler:
+    return _SCHEDULERS[cfg.name](cfg)
