@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,9 +46,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     or a FlexAttention BlockMask."""
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return _flex(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@functools.cache
+def _flex(compiled: bool):
+    """flex_attention, compiled into a fused kernel on GPU (uncompiled it materialises the scores)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 
 class SwiGLU(nn.Module):

@@ -84,10 +84,11 @@ class LLaDA2SparseMoE(nn.Module):
         x = h.reshape(-1, shape[-1])
         idx, w = self.gate(x)
         y = torch.zeros_like(x)
-        # Loop over experts, not tokens: each expert runs once on the tokens routed to it.
+        # Loop over experts, not tokens: each expert runs once on the tokens routed to it. In training every
+        # expert runs even on zero tokens, so that all data-parallel ranks produce the same gradient buckets.
         for e, expert in enumerate(self.experts):
             tok, slot = (idx == e).nonzero(as_tuple=True)
-            if tok.numel():
+            if tok.numel() or self.training:
                 y.index_add_(0, tok, expert(x[tok]) * w[tok, slot].unsqueeze(-1).to(x.dtype))
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

@@ -1,0 +1,139 @@
+"""MultiTF training objectives (paper sec:appendix_objectives), on the noisy half of [x_t ; x_0].
+
+The model predicts the clean token at the same position (no logit shift), and only positions of the
+noisy stream that hold the mask token count: M_lambda = {i : x_t[i] = [M]}.
+
+- `multitf_ce` (eq:appendix_multitf_ce): per row (= per layout) the mean CE over M_lambda, then the mean
+  over rows. A row with no masked token (possible when t_low * B < 1) contributes 0 rather than NaN.
+- `sdar_weighted_ce` (eq:appendix_sdar_multitf_loss): per row (1/K) sum_k 1/max(t_k, eps) sum_{i in M_k} CE_i
+  with K the row's own number of blocks (prompt blocks included, batch padding excluded), then the mean
+  over rows.
+- DMax OPUT (alg:oput_rollout): the standard branch is MultiTF CE on x_t; the self-denoising branch
+  replaces the masked positions of x_t with the argmax predictions of a no-grad pass and takes the CE on
+  the same positions M_lambda of that input. The no-grad pass has the same input as the standard branch,
+  so its logits are the standard branch's logits, detached: one forward is saved, nothing changes.
+  The argmax excludes the mask token, so the second input has no mask token left.
+
+Per-row losses are averaged over rows, so a global batch split into equal micro-batches and workers
+gives the same loss and gradient as one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mbd.multitf.batching import KINDS, Batch
+from mbd.train_config import ObjectiveSection
+
+Forward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
+
+
+def masked_positions(noisy_ids: torch.Tensor, mask_token_id: int) -> torch.Tensor:
+    """M_lambda as a bool [b, L]."""
+    return noisy_ids == mask_token_id
+
+
+def token_ce(logits: torch.Tensor, clean_ids: torch.Tensor) -> torch.Tensor:
+    """Per-token CE [b, L] in fp32 of noisy-half logits [b, L, V] against the clean ids."""
+    b, n, v = logits.shape
+    return F.cross_entropy(logits.float().reshape(b * n, v), clean_ids.reshape(-1), reduction="none").view(b, n)
+
+
+def multitf_ce(logits: torch.Tensor, clean_ids: torch.Tensor, noisy_ids: torch.Tensor,
+               mask_token_id: int) -> torch.Tensor:
+    """eq:appendix_multitf_ce on one batch: mean over rows of the mean CE over each row's masked positions."""
+    masked = masked_positions(noisy_ids, mask_token_id)
+    ce = token_ce(logits, clean_ids) * masked
+    return (ce.sum(1) / masked.sum(1).clamp(min=1)).mean()
+
+
+def sdar_weighted_ce(logits: torch.Tensor, clean_ids: torch.Tensor, noisy_ids: torch.Tensor, mask_token_id: int,
+                     block_ratio: torch.Tensor, num_blocks: torch.Tensor, block_size: int,
+                     eps: float = 1e-3) -> torch.Tensor:
+    """eq:appendix_sdar_multitf_loss on one batch (block_ratio [b, K], num_blocks [b])."""
+    b, n = clean_ids.shape
+    masked = masked_positions(noisy_ids, mask_token_id)
+    per_block = (token_ce(logits, clean_ids) * masked).view(b, n // block_size, block_size).sum(-1)
+    weighted = per_block / block_ratio.float().clamp(min=eps)
+    return (weighted.sum(1) / num_blocks.float()).mean()
+
+
+def oput_self_denoise_ids(noisy_ids: torch.Tensor, logits: torch.Tensor, mask_token_id: int) -> torch.Tensor:
+    """alg:oput_rollout: masked positions of x_t replaced by the argmax prediction (never the mask token)."""
+    with torch.no_grad():
+        scores = logits.detach().clone()
+        scores[..., mask_token_id] = float("-inf")
+        pred = scores.argmax(-1)
+    masked = masked_positions(noisy_ids, mask_token_id)
+    return torch.where(masked, pred, noisy_ids)
+
+
+@dataclass
+class ObjectiveOutput:
+    loss: torch.Tensor  # scalar with grad
+    ce: torch.Tensor  # [b, L] detached per-token CE of the standard branch
+    masked: torch.Tensor  # [b, L] M_lambda
+    parts: dict[str, float]  # branch losses (OPUT: standard / self-denoise)
+
+
+def compute_objective(forward: Forward, batch: Batch, cfg: ObjectiveSection, mask_token_id: int) -> ObjectiveOutput:
+    """Run the model on the batch and evaluate the configured objective on the noisy half."""
+    n = batch.noisy_ids.shape[1]
+    logits = forward(batch.input_ids, batch.position_ids, batch.mask)[:, :n]
+    masked = masked_positions(batch.noisy_ids, mask_token_id)
+    ce = token_ce(logits.detach(), batch.clean_ids)
+    if cfg.name == "sdar_weighted_ce":
+        loss = sdar_weighted_ce(logits, batch.clean_ids, batch.noisy_ids, mask_token_id, batch.block_ratio,
+                                batch.num_blocks, batch.block_size, cfg.sdar_eps)
+        return ObjectiveOutput(loss, ce, masked, {})
+    loss = multitf_ce(logits, batch.clean_ids, batch.noisy_ids, mask_token_id)
+    if cfg.name == "multitf_ce":
+        return ObjectiveOutput(loss, ce, masked, {})
+    denoised = batch.with_noisy(oput_self_denoise_ids(batch.noisy_ids, logits, mask_token_id))
+    logits_sd = forward(denoised.input_ids, denoised.position_ids, denoised.mask)[:, :n]
+    # Positions come from the ORIGINAL x_t: the self-denoised input has no mask token left.
+    loss_sd = multitf_ce(logits_sd, batch.clean_ids, batch.noisy_ids, mask_token_id)
+    parts = {"loss_standard": float(loss.detach()), "loss_self_denoise": float(loss_sd.detach())}
+    return ObjectiveOutput(loss + cfg.oput_weight * loss_sd, ce, masked, parts)
+
+
+# ---------------------------------------------------------------- metrics: CE by layout kind and by slot
+
+def stats_size(max_slots: int) -> int:
+    return 2 * (len(KINDS) + max_slots) + 1
+
+
+def loss_stats(batch: Batch, ce: torch.Tensor, masked: torch.Tensor, max_slots: int) -> torch.Tensor:
+    """float64 vector of sums that add up across micro-batches and workers (all-reduce SUM):
+    [CE sum, count] per layout kind, [CE sum, count] per slot in the noise-group (slots >= max_slots fall
+    into the last one), masked-token count."""
+    b, n = ce.shape
+    m = masked.double()
+    ce = ce.double() * m
+    slot = batch.block_slot.repeat_interleave(batch.block_size, dim=1).clamp(0, max_slots - 1)
+    by_kind = torch.zeros(len(KINDS), 2, dtype=torch.float64, device=ce.device)
+    by_kind[:, 0].index_add_(0, batch.kind, ce.sum(1))
+    by_kind[:, 1].index_add_(0, batch.kind, m.sum(1))
+    by_slot = torch.zeros(max_slots, 2, dtype=torch.float64, device=ce.device)
+    by_slot[:, 0].index_add_(0, slot.reshape(-1), ce.reshape(-1))
+    by_slot[:, 1].index_add_(0, slot.reshape(-1), m.reshape(-1))
+    return torch.cat([by_kind.reshape(-1), by_slot.reshape(-1), m.sum().reshape(1)])
+
+
+def stats_metrics(stats: torch.Tensor, max_slots: int) -> dict[str, float]:
+    """Token-mean CE per layout kind (`ce/<kind>`) and per slot (`ce/slot<i>`), plus `masked_tokens`."""
+    s = stats.tolist()
+    out: dict[str, float] = {}
+    for i, kind in enumerate(KINDS):
+        if s[2 * i + 1] > 0:
+            out[f"ce/{kind}"] = s[2 * i] / s[2 * i + 1]
+    base = 2 * len(KINDS)
+    for j in range(max_slots):
+        if s[base + 2 * j + 1] > 0:
+            out[f"ce/slot{j}"] = s[base + 2 * j] / s[base + 2 * j + 1]
+    out["masked_tokens"] = s[-1]
+    return out

@@ -1,0 +1,70 @@
+"""Export a training checkpoint as a HuggingFace-format safetensors model directory.
+
+    mbd export --run-dir runs/tiny-multitf --out models/tiny-mbd        # the run's latest checkpoint
+    mbd export --checkpoint runs/tiny-multitf/checkpoint_2026-... --out models/x --dtype bf16
+
+Every checkpoint of `mbd train` carries `model/`, a full (ZeRO-3-gathered) safetensors snapshot written
+by rank 0, next to the DeepSpeed shards. Export therefore never unpickles DeepSpeed's optimizer files: it
+loads `model/` with the foundation loader (which validates every tensor against config.json), writes it
+with `save_checkpoint` in the requested dtype, and copies the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from mbd.model import load_checkpoint, save_checkpoint
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def checkpoint_step(path: Path) -> int:
+    state = path / "train_state.json"
+    return int(json.loads(state.read_text())["step"]) if state.is_file() else -1
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The checkpoint directory of the run with the highest training step."""
+    found = [p for p in run_dir.glob("checkpoint_*") if (p / "model" / "config.json").is_file()]
+    if not found:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint_*/model/ found (is this <storage_path>/<run name>?)")
+    return max(found, key=checkpoint_step)
+
+
+def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write `checkpoint/model` to `out` as config.json + model.safetensors (+ tokenizer files)."""
+    src = checkpoint / "model"
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{checkpoint}: no model/config.json; not a checkpoint written by `mbd train`")
+    model, cfg = load_checkpoint(src, dtype=dtype)
+    save_checkpoint(model, cfg, out)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mbd export", description="Training checkpoint -> HF safetensors directory.")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-dir", help="<storage_path>/<run name>: export its latest checkpoint")
+    where.add_argument("--checkpoint", help="one checkpoint directory (checkpoint_*)")
+    ap.add_argument("--out", required=True, help="output model directory")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    args = ap.parse_args(argv)
+    ckpt = latest_checkpoint(Path(args.run_dir)) if args.run_dir else Path(args.checkpoint)
+    out = export_checkpoint(ckpt, Path(args.out), DTYPES[args.dtype])
+    print(json.dumps({"checkpoint": str(ckpt), "step": checkpoint_step(ckpt), "export_dir": str(out)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,419 @@
+"""Ray Train + DeepSpeed ZeRO: MultiTF post-training (or block-diffusion TF pretraining) from a YAML config.
+
+    mbd train --config configs/train/tiny_cpu.yaml [--set steps=20 --set deepspeed.zero_stage=3]
+    ray job submit --working-dir . -- python -m pipelines.train_multitf --config configs/train/x.yaml
+
+Driver (`run_train`): validates the config, prepares the data (Ray Data Parquet dataset, or the tokenized
+JSONL corpus in the object store for on-the-fly expansion), starts a `TorchTrainer`, shows a progress bar
+fed by a small progress actor, and copies the final checkpoint's HF model to the export directory.
+
+Worker (`train_loop`): every worker calls `deepspeed.initialize` (ZeRO 2 or 3) on Ray Train's process
+group (gloo on CPU, NCCL on GPU) with a plain torch AdamW and warm-up + cosine LambdaLR, so no compiled
+DeepSpeed op is needed. Every `checkpoint_every` steps each rank writes its DeepSpeed shard and rank 0
+adds a gathered HF safetensors snapshot (`model/`); all ranks report the same checkpoint, which Ray Train
+merges into one directory. A restarted worker group (FailureConfig) or a re-run with the same
+RunConfig(name, storage_path) resumes from `ray.train.get_checkpoint()`.
+
+Data order on resume: on-the-fly rows are a pure function of (seed, step, rank), so a resumed run trains on
+exactly the rows an uninterrupted one would. Parquet shards are streamed by Ray Data, whose split order is
+not replayable: a resumed run starts a fresh pass over the shards.
+
+Step metrics (rank 0, all-reduced over workers): loss, ce/<layout kind>, ce/slot<i> (slot inside the
+noise-group), masked_tokens, tokens_per_s (non-pad tokens of both streams), lr; `probe_loss` (the
+objective on a fixed batch of training rows) at step 0 and at every checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import ray
+import torch
+import yaml
+from pydantic import BaseModel
+from ray.data.collate_fn import NumpyBatchCollateFn
+
+from mbd.config import ConfigError, ModelConfig, read_json, validate
+from mbd.multitf.batching import Batch, OnTheFlyRows, StepSampler, TokenizedSequence, collate, rows_to_columns
+from mbd.multitf.objectives import compute_objective, loss_stats, stats_metrics, stats_size
+from mbd.train_config import TrainConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+POLL_S = 0.5
+
+
+class TrainSummary(BaseModel):
+    run_dir: str
+    last_step: int
+    checkpoint: str | None
+    export_dir: str | None
+    final: dict[str, float]
+    history: list[dict[str, float]]  # rank-0 step metrics in the order they happened (restarts included)
+    wall_s: float
+    skipped_records: int
+
+
+@ray.remote(num_cpus=0)
+class Progress:
+    """Step metrics pushed by rank 0 (fire-and-forget) and polled by the driver's progress bar."""
+
+    def __init__(self) -> None:
+        self.history: list[dict[str, float]] = []
+
+    def log(self, metrics: dict[str, float]) -> None:
+        self.history.append(metrics)
+
+    def since(self, n: int) -> list[dict[str, float]]:
+        return self.history[n:]
+
+
+# ---------------------------------------------------------------- worker side
+
+class RowCollate(NumpyBatchCollateFn):
+    """Ray Data numpy batch (ragged list columns) -> `Batch` with the dual-stream mask."""
+
+    def __init__(self, block_size: int, pad_token_id: int, attention: str, device: torch.device):
+        super().__init__()
+        self.kw = dict(block_size=block_size, pad_token_id=pad_token_id, attention=attention, device=device)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> Batch:
+        return collate(batch, **self.kw)
+
+
+def parquet_batches(cfg: TrainConfig, mcfg: ModelConfig, device: torch.device) -> Iterator[Batch]:
+    """Endless micro-batches of this worker's shard; equal shard sizes keep the workers in step."""
+    shard = ray.train.get_dataset_shard("train")
+    fn = RowCollate(mcfg.block_size, mcfg.pad_token_id, cfg.attention, device)
+    while True:
+        empty = True
+        for batch in shard.iter_torch_batches(batch_size=cfg.deepspeed.micro_batch_size, collate_fn=fn,
+                                              drop_last=True):
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError(f"data.parquet: this worker's shard has fewer than micro_batch_size="
+                             f"{cfg.deepspeed.micro_batch_size} rows; add data or lower num_workers")
+
+
+def on_the_fly_batches(cfg: TrainConfig, mcfg: ModelConfig, rows: OnTheFlyRows, rank: int, world: int,
+                       first_step: int, device: torch.device) -> Iterator[Batch]:
+    ds = cfg.deepspeed
+    sampler = StepSampler(rows.rows_per_epoch, ds.micro_batch_size, ds.grad_accum, world, cfg.seed)
+    for step in range(first_step, cfg.steps + 1):
+        for micro in range(ds.grad_accum):
+            epoch, idx = sampler.micro_rows(step, rank, micro)
+            yield collate(rows_to_columns(rows.rows(epoch, idx)), block_size=mcfg.block_size,
+                          pad_token_id=mcfg.pad_token_id, attention=cfg.attention, device=device)
+
+
+def gathered(engine, zero_stage: int):
+    """Context in which every rank holds the full parameters (ZeRO-3 partitions them; ZeRO-2 does not)."""
+    if zero_stage != 3:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
+
+
+def save_training_checkpoint(engine, cfg: TrainConfig, mcfg: ModelConfig, step: int, rank: int,
+                             metrics: dict[str, float]) -> None:
+    """All ranks: DeepSpeed shards + (rank 0) HF snapshot, reported as one Ray Train checkpoint."""
+    from mbd.model import save_checkpoint
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"mbd-ckpt-{step}-r{rank}-"))
+    try:
+        engine.save_checkpoint(str(tmp / "deepspeed"), tag=f"step_{step}", client_state={"step": step})
+        with gathered(engine, cfg.deepspeed.zero_stage):
+            if rank == 0:
+                save_checkpoint(engine.module, mcfg, tmp / "model")
+        if rank == 0:
+            for name in TOKENIZER_FILES:
+                if (Path(cfg.model_path) / name).is_file():
+                    shutil.copy2(Path(cfg.model_path) / name, tmp / "model" / name)
+            (tmp / "train_state.json").write_text(json.dumps({"step": step, "metrics": metrics}))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def maybe_fail(cfg: TrainConfig, step: int, rank: int, world: int) -> None:
+    """Fault injection for tests: the last rank raises once at `fail_at_step` (a marker file makes it once)."""
+    if cfg.fail_at_step != step or rank != world - 1:
+        return
+    marker = Path(cfg.run.run_dir) / f".fail_at_step_{step}.done"
+    if not marker.exists():
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        raise RuntimeError(f"fail_at_step={step}: injected worker failure (rank {rank})")
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    cfg = TrainConfig.model_validate(config["cfg"])
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if cfg.use_gpu else "cpu")
+    import deepspeed
+    import torch.distributed as dist
+
+    from mbd.model import load_checkpoint
+
+    torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    deepspeed.init_distributed(dist_backend="nccl" if cfg.use_gpu else "gloo")
+    device = ray.train.torch.get_device() if cfg.use_gpu else torch.device("cpu")
+    ds = cfg.deepspeed
+    bf16 = ds.use_bf16(cfg.use_gpu)
+    model, mcfg = load_checkpoint(cfg.model_path, dtype=torch.bfloat16 if bf16 else torch.float32)
+    model.train()
+    if ds.zero_stage == 3 and mcfg.family == "llada2_moe":
+        # Experts run only on the tokens routed to them; fetching each expert's ZeRO-3 partition inside the
+        # loop would make ranks issue different all-gathers. Fetch the whole MoE block at once instead.
+        from mbd.model.llada2_moe import LLaDA2SparseMoE
+
+        deepspeed.utils.set_z3_leaf_modules(model, [LLaDA2SparseMoE])
+    optimizer = torch.optim.AdamW(model.parameters(), **ds.adamw_kwargs())
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: ds.lr_factor(s, cfg.steps))
+    engine, optimizer, _, schedule = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                                          config=ds.ds_config(cfg.use_gpu))
+    start = 0
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            _, client = engine.load_checkpoint(str(Path(d) / "deepspeed"))
+        start = int(client["step"])
+
+    progress = config["progress"]
+    probe = collate(config["probe_rows"], block_size=mcfg.block_size, pad_token_id=mcfg.pad_token_id,
+                    attention=cfg.attention, device=device)
+
+    def probe_loss() -> float:
+        with torch.no_grad():
+            return float(compute_objective(engine, probe, cfg.objective, mcfg.mask_token_id).loss)
+
+    if config["sequences"] is not None:
+        rows = OnTheFlyRows(ray.get(config["sequences"]), cfg.layouts, block_size=mcfg.block_size,
+                            mask_token_id=mcfg.mask_token_id, seed=cfg.seed)
+        batches = on_the_fly_batches(cfg, mcfg, rows, rank, world, start + 1, device)
+    else:
+        batches = parquet_batches(cfg, mcfg, device)
+    if start == 0:
+        initial = probe_loss()
+        if rank == 0:
+            progress.log.remote({"step": 0, "probe_loss": initial})
+
+    slots = cfg.layouts.max_slots
+    for step in range(start + 1, cfg.steps + 1):
+        maybe_fail(cfg, step, rank, world)
+        t0 = time.perf_counter()
+        lr = float(engine.optimizer.param_groups[0]["lr"])
+        stats = torch.zeros(stats_size(slots), dtype=torch.float64, device=device)
+        extra = torch.zeros(4, dtype=torch.float64, device=device)  # loss, tokens, OPUT standard, OPUT self-denoise
+        for _ in range(ds.grad_accum):
+            batch = next(batches)
+            out = compute_objective(engine, batch, cfg.objective, mcfg.mask_token_id)
+            engine.backward(out.loss)
+            engine.step()
+            stats += loss_stats(batch, out.ce, out.masked, slots)
+            extra += torch.tensor([float(out.loss.detach()), 2.0 * float(batch.total_len.sum()),
+                                   out.parts.get("loss_standard", 0.0), out.parts.get("loss_self_denoise", 0.0)],
+                                  dtype=torch.float64, device=device)
+        both = torch.cat([stats, extra])
+        dist.all_reduce(both)
+        seconds = time.perf_counter() - t0
+        stats, extra = both[: stats.numel()], both[stats.numel():].tolist()
+        micro_total = ds.grad_accum * world
+        metrics = {"step": step, "loss": extra[0] / micro_total, "lr": lr, "tokens": extra[1],
+                   "tokens_per_s": extra[1] / seconds, "step_s": seconds, **stats_metrics(stats, slots)}
+        if cfg.objective.name == "dmax_oput":
+            metrics |= {"loss_standard": extra[2] / micro_total, "loss_self_denoise": extra[3] / micro_total}
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            metrics["probe_loss"] = probe_loss()
+            save_training_checkpoint(engine, cfg, mcfg, step, rank, metrics)
+        if rank == 0:
+            progress.log.remote(metrics)
+
+
+# ---------------------------------------------------------------- driver side
+
+def tokenize_corpus(path: str, model_path: str, block_size: int,
+                    max_length: int) -> tuple[list[TokenizedSequence], int]:
+    """JSONL records -> tokenized sequences exactly as `mbd expand` tokenizes them; bad records are skipped."""
+    from pipelines.expand_layouts import BadRecord, load_tokenizer, tokenize_record
+
+    tok, _ = load_tokenizer(model_path)
+    seqs, skipped = [], 0
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            try:
+                seq_id, ids, p_len, r_len = tokenize_record(line, tok, block_size, max_length)
+            except BadRecord:
+                skipped += 1
+                continue
+            seqs.append(TokenizedSequence(seq_id, np.asarray(ids, dtype=np.int32), p_len, r_len))
+    return seqs, skipped
+
+
+def absolute_storage(cfg: TrainConfig) -> TrainConfig:
+    """Ray Train wants an absolute storage path (or a URI); relative paths are taken from the driver's cwd."""
+    if "://" in cfg.run.storage_path:
+        return cfg
+    out = cfg.model_copy(deep=True)
+    out.run.storage_path = str(Path(cfg.run.storage_path).resolve())
+    return out
+
+
+def prepare_data(cfg: TrainConfig, mcfg: ModelConfig) -> tuple[dict, Any, list[dict], int]:
+    """(Ray datasets, object ref of on-the-fly sequences or None, probe rows, skipped records)."""
+    n = cfg.data.probe_rows
+    if cfg.data.parquet is not None:
+        if not Path(cfg.data.parquet).exists() and "://" not in cfg.data.parquet:
+            raise ConfigError(f"data.parquet: {cfg.data.parquet} does not exist (run `mbd expand` first)")
+        ds = ray.data.read_parquet(cfg.data.parquet)
+        probe = ds.take(n)
+        return {"train": ds}, None, rows_to_columns(probe), 0
+    if not Path(cfg.data.jsonl).is_file():
+        raise ConfigError(f"data.jsonl: file not found: {cfg.data.jsonl}")
+    seqs, skipped = tokenize_corpus(cfg.data.jsonl, cfg.model_path, mcfg.block_size, cfg.data.max_length)
+    rows = OnTheFlyRows(seqs, cfg.layouts, block_size=mcfg.block_size, mask_token_id=mcfg.mask_token_id,
+                        seed=cfg.seed)
+    StepSampler(rows.rows_per_epoch, cfg.deepspeed.micro_batch_size, cfg.deepspeed.grad_accum,
+                cfg.num_workers, cfg.seed)  # fails early if one epoch cannot fill a global batch
+    probe = rows.rows(0, range(min(n, rows.rows_per_epoch)))
+    return {}, ray.put(seqs), rows_to_columns(probe), skipped
+
+
+def build_trainer(cfg: TrainConfig, config: dict[str, Any], datasets: dict):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    scaling = ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
+                            resources_per_worker=None if cfg.use_gpu else {"CPU": cfg.cpus_per_worker})
+    run = RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
+                    failure_config=FailureConfig(max_failures=cfg.max_failures),
+                    checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints))
+    return TorchTrainer(train_loop, train_loop_config=config, scaling_config=scaling, run_config=run,
+                        datasets=datasets or None)
+
+
+def follow(progress, fit_thread: threading.Thread, total: int, name: str, show: bool) -> list[dict[str, float]]:
+    """Poll the progress actor until the fit thread ends; drive a tqdm bar in the driver."""
+    from tqdm import tqdm
+
+    history: list[dict[str, float]] = []
+    bar = tqdm(total=total, desc=f"train {name}", unit="step", disable=not show, dynamic_ncols=True)
+    while True:
+        alive = fit_thread.is_alive()
+        new = ray.get(progress.since.remote(len(history)))
+        history += new
+        for m in new:
+            bar.n = int(m["step"])
+            post = {k: f"{m[k]:.4g}" for k in ("loss", "probe_loss", "tokens_per_s", "lr") if k in m}
+            bar.set_postfix(post, refresh=False)
+        if new:
+            bar.refresh()
+        if not alive:
+            break
+        time.sleep(POLL_S)
+    bar.close()
+    return history
+
+
+def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
+    """Run (or resume) a training run on the current Ray cluster (ray.init() if none is connected)."""
+    from pipelines.export import export_checkpoint
+
+    cfg = absolute_storage(cfg)
+    if not (Path(cfg.model_path) / "config.json").is_file():
+        raise ConfigError(f"model_path: {cfg.model_path} has no config.json (an HF-format model directory)")
+    mcfg = ModelConfig.from_hf(read_json(Path(cfg.model_path) / "config.json"))
+    if not ray.is_initialized():
+        ray.init()
+    start = time.perf_counter()
+    datasets, sequences, probe_rows, skipped = prepare_data(cfg, mcfg)
+    progress = Progress.remote()
+    config = {"cfg": cfg.model_dump(mode="json"), "progress": progress, "sequences": sequences,
+              "probe_rows": probe_rows}
+    trainer = build_trainer(cfg, config, datasets)
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as e:  # re-raised in the caller's thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=fit, name="mbd-train-fit", daemon=True)
+    thread.start()
+    history = follow(progress, thread, cfg.steps, cfg.run.name, show_progress)
+    if "error" in outcome:
+        raise outcome["error"]
+    export_dir = None
+    checkpoint = outcome["result"].checkpoint
+    if checkpoint is not None:
+        export_dir = cfg.run.export_dir or f"{cfg.run.run_dir}/export"
+        with checkpoint.as_directory() as d:
+            export_checkpoint(Path(d), Path(export_dir))
+    if "://" not in cfg.run.storage_path:
+        Path(cfg.run.run_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(cfg.run.run_dir) / "metrics.jsonl", "a") as fh:
+            fh.writelines(json.dumps(m) + "\n" for m in history)
+    steps = [m for m in history if "loss" in m]
+    return TrainSummary(run_dir=cfg.run.run_dir, last_step=int(steps[-1]["step"]) if steps else 0,
+                        checkpoint=checkpoint.path if checkpoint is not None else None, export_dir=export_dir,
+                        final=steps[-1] if steps else {}, history=history,
+                        wall_s=round(time.perf_counter() - start, 3), skipped_records=skipped)
+
+
+# ---------------------------------------------------------------- CLI
+
+def apply_overrides(data: dict[str, Any], items: Sequence[str]) -> dict[str, Any]:
+    """`--set a.b=value` (value parsed as YAML) into the nested config dict."""
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set deepspeed.zero_stage=3")
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: '{p}' is not a section")
+        node[leaf] = yaml.safe_load(raw)
+    return data
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mbd train", description="MultiTF training on Ray Train + DeepSpeed ZeRO.")
+    ap.add_argument("--config", required=True, help="YAML TrainConfig (configs/train/*.yaml)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field, e.g. --set steps=10 --set deepspeed.zero_stage=3")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar (log-friendly)")
+    args = ap.parse_args(argv)
+    path = Path(args.config)
+    try:
+        if not path.is_file():
+            raise ConfigError(f"--config: file not found: {path}")
+        data = apply_overrides(yaml.safe_load(path.read_text()) or {}, args.overrides)
+        cfg = validate(TrainConfig, data, str(path))
+        summary = run_train(cfg, show_progress=not args.no_progress)
+    except ConfigError as e:
+        print(f"mbd train: {e}", file=sys.stderr)
+        return 2
+    print(summary.model_dump_json(indent=2, exclude={"history"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
