@@ -27,6 +27,14 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
 
+    def view(self, start: int, stop: int) -> "KVCache":
+        """A cache over rows [start, stop) sharing storage (writes and commits land in this cache): a
+        smaller batch bucket runs against the front rows without copying."""
+        v = KVCache.__new__(KVCache)
+        v.k, v.v, v.lengths = self.k[:, start:stop], self.v[:, start:stop], self.lengths[start:stop]
+        v.size, v.max_len = self.size, self.max_len
+        return v
+
     @property
     def rows(self) -> int:
         return self.k.shape[1]

@@ -1,0 +1,361 @@
+"""The Block Buffer MultiBD engine (alg:optimized_multibd): the public decoding API of the project.
+
+One `step()` = admit waiting requests (prefill) -> ONE static-shape forward over every batch slot's Block
+Buffer -> vectorised M2T / T2T token updates -> one device-to-host transfer of the tokens and per-slot
+counts -> per-request host bookkeeping in plain ints (TO_CACHE marking, emit final tokens, finish,
+activation) -> in place on the device: slide the buffers past the committed blocks, and (when any changed)
+upload slot states and committed lengths in one copy. The CLI, the eval sweeps and the HTTP service all
+drive this object; `generate` and `stream` are convenience drivers of the same loop.
+
+Per-request params (`add_request(params=...)`): a full DecodeConfig or a mapping of overrides of the
+engine's config; buffer_size may not exceed the engine's compiled buffer_size, block_size must be the
+model's, max_length is capped by the engine's (and the model's max_position_embeddings).
+
+Outputs: a block's tokens become final (and are streamed) when it becomes TO_CACHE; they are cut at the
+first stop token (excluded from the text, counted in num_generated) and at the generation limit.
+NFE counts decode forwards (prefill is not counted); TPF = num_generated / NFE.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+from torch import nn
+
+from mbd.config import ConfigError, DecodeConfig, validate
+from mbd.decoding.policy import Policy, Sampler
+from mbd.decoding.runner import ModelRunner
+from mbd.decoding.scheduler import Scheduler
+from mbd.decoding.state import BatchBuffers, Request, RequestParams, SlotState
+from mbd.decoding.trace import step_entry
+from mbd.tokenizer import Tokenizer
+
+Params = DecodeConfig | Mapping[str, Any] | None
+DUMMY = SlotState.DUMMY
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step produced for one request (a dataclass, not pydantic: built for every request every step)."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens that became final in this step
+    finished: bool
+    finish_reason: str | None  # "eos" | "length" | "max_nfe" | "abort" | None
+    nfe: int
+    num_generated: int
+
+
+class GenerationResult(BaseModel):
+    request_id: str
+    text: str
+    token_ids: list[int]
+    nfe: int
+    num_generated: int
+    tpf: float
+    wall_time_s: float  # from add_request to finish (includes queueing)
+    step_latency_ms: float  # mean wall time of the steps this request took part in
+    finish_reason: str
+    trace: list[dict] | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    step_s: float = 0.0  # decode steps (forward + decisions + bookkeeping), prefill excluded
+    prefills: int = 0
+    prefill_s: float = 0.0
+
+
+def power_of_two_buckets(rows: int) -> tuple[int, ...]:
+    out, b = [], 1
+    while b < rows:
+        out.append(b)
+        b *= 2
+    return (*out, rows)
+
+
+class Engine:
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer | None, cfg: DecodeConfig, max_batch_slots: int = 8,
+                 device: torch.device | str | None = None, trace: bool = False,
+                 batch_buckets: Sequence[int] | None = None, use_cuda_graphs: bool | None = None,
+                 prefill_chunk: int = 512):
+        mcfg = model.cfg
+        self.block = mcfg.block_size
+        if cfg.block_size not in (None, self.block):
+            raise ConfigError(f"decode config block_size={cfg.block_size} but the model was trained with "
+                              f"block_size={self.block}: remove block_size or set it to {self.block}")
+        if max_batch_slots < 1:
+            raise ConfigError(f"max_batch_slots must be >= 1, got {max_batch_slots}")
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model = model.to(self.device).eval()
+        self.tokenizer, self.cfg, self.trace = tokenizer, cfg, trace
+        self.n_buf, self.q = cfg.buffer_size, cfg.buffer_size * self.block
+        self.max_length = min(cfg.max_length, mcfg.max_position_embeddings)
+        self.mask_id = mcfg.mask_token_id
+        stops = tokenizer.stop_token_ids if tokenizer is not None else [mcfg.eos_token_id]
+        self._stop_set = frozenset(stops)
+        self._stop_t = torch.tensor(sorted(stops), device=self.device)
+        self.policy = Policy(self.block, self.mask_id)
+        self.buf = BatchBuffers(max_batch_slots, self.n_buf, self.block, self.mask_id, self.device)
+        graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        # the last block may straddle the generation limit, hence + block
+        self.runner = ModelRunner(self.model, mcfg, self.buf, self.max_length + self.block,
+                                  tuple(batch_buckets or power_of_two_buckets(max_batch_slots)), graphs, prefill_chunk)
+        self.sched = Scheduler(max_batch_slots)
+        # per row: slot states + committed cache length, as last written to the device
+        self._host_rows = [self.buf.slot_states(0, 0, self.n_buf) + [0] for _ in range(max_batch_slots)]
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, cfg: DecodeConfig, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, **kw) -> "Engine":
+        from mbd.model import load_checkpoint
+
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model, mcfg = load_checkpoint(model_dir, dtype=dtype, device=device)
+        tok = Tokenizer.from_dir(model_dir, mcfg) if (Path(model_dir) / "tokenizer.json").is_file() else None
+        return cls(model, tok, cfg, device=device, **kw)
+
+    # ----------------------------------------------------------------- requests
+    def resolve_params(self, params: Params) -> DecodeConfig:
+        """A request's DecodeConfig: the engine's, a full DecodeConfig, or a mapping of overrides."""
+        if params is None:
+            cfg = self.cfg
+        elif isinstance(params, DecodeConfig):
+            cfg = params
+        else:
+            cfg = validate(DecodeConfig, {**self.cfg.model_dump(), **dict(params)}, "request params")
+        if cfg.buffer_size > self.n_buf:
+            raise ValueError(f"request buffer_size={cfg.buffer_size} exceeds the engine's compiled buffer_size="
+                             f"{self.n_buf}: lower it or build the Engine with buffer_size >= {cfg.buffer_size}")
+        if cfg.block_size not in (None, self.block):
+            raise ValueError(f"request block_size={cfg.block_size} differs from the model's block_size={self.block}")
+        return cfg
+
+    def add_request(self, prompt_ids: list[int], params: Params = None, request_id: str | None = None) -> str:
+        return self._add(prompt_ids, params, request_id).id
+
+    def _add(self, prompt_ids: Sequence[int], params: Params, request_id: str | None) -> Request:
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+        if self.mask_id in ids:
+            raise ValueError(f"prompt_ids contain the mask token id {self.mask_id}, which the decoder reserves")
+        cfg = self.resolve_params(params)
+        p = RequestParams.resolve(cfg, len(ids), self.max_length)
+        req = Request(request_id or uuid.uuid4().hex, ids, p, self.block)
+        if self.trace:
+            req.trace = []
+        if p.temperature > 0:
+            req.generator = torch.Generator(device=self.device).manual_seed(p.seed)
+        self.sched.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; its slot is freed (and an "abort" output emitted) next step."""
+        return self.sched.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.sched.has_unfinished()
+
+    def num_free_slots(self) -> int:
+        return max(0, self.sched.rows - len(self.sched.running) - len(self.sched.waiting))
+
+    # ----------------------------------------------------------------- the step loop
+    def step(self) -> list[StepOutput]:
+        outs = []
+        with torch.inference_mode():
+            for req in self.sched.take_aborted():
+                if req.row >= 0:
+                    self._release(req.row, req.cache_len)
+                outs.append(self._finish(req, "abort", []))
+            for req in self.sched.admit():
+                self._start(req)
+            if self.sched.running:
+                outs += self._decode()
+        return outs
+
+    def _start(self, req: Request) -> None:
+        t = time.perf_counter()
+        self.runner.prefill(req.row, req.prompt_ids[: req.aligned_len])
+        self.buf.load_row(req.row, req.prompt_ids[req.aligned_len:], req.prompt_len, req.params,
+                          self.policy.semi_max_masked(req.params.tau_semi))
+        req.cache_len, req.n_res, req.n_tc = req.aligned_len, 1, 0
+        self._host_rows[req.row] = self.buf.slot_states(0, 1, self.n_buf) + [req.aligned_len]
+        self.stats.prefills += 1
+        self.stats.prefill_s += time.perf_counter() - t
+
+    def _release(self, row: int, cache_len: int) -> None:
+        self.buf.clear_row(row)
+        self.runner.invalidate()
+        self._host_rows[row] = self.buf.slot_states(0, 0, self.n_buf) + [cache_len]
+
+    def _decode(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        running = list(self.sched.running.items())
+        b = self.runner.bucket(self.sched.rows_needed())
+        buf, B, S, Q = self.buf, self.block, self.n_buf, self.q
+
+        logits = self.runner.forward(b)
+        fixed = None
+        if any(r.cache_len < r.prompt_len for _, r in running):  # a prompt tail is still in a buffer
+            fixed = self.runner.positions(b) < buf.prompt_len[:b, None]
+        t2t = buf.tau_t2t[:b] if any(r.params.tau_t2t is not None for _, r in running) else None
+        samplers = [Sampler(row, r.params.temperature, r.generator) for row, r in running if r.generator is not None]
+        dec = self.policy.update(logits, buf.tokens[:b], buf.state[:b], buf.tau_m2t[:b], buf.semi_max_masked[:b],
+                                 fixed, t2t, samplers)
+        parts = [dec.tokens, dec.masked_in, dec.accepted] + ([dec.revised] if t2t is not None else [])
+        if self.trace:
+            parts.append(buf.state[:b])  # forward-time states
+        summary = torch.cat(parts, 1).tolist()  # the step's single device -> host transfer
+        pops = [0] * b  # the TO_CACHE slots this forward re-ran are committed and popped
+        for row, req in running:
+            pops[row] = req.n_tc
+        buf.store_tokens(dec.tokens, pops)
+
+        outs, done, dirty, moved = [], [], False, False
+        for row, req in running:
+            s = summary[row]
+            toks, masked_in = s[:Q], s[Q:Q + S]
+            filled, unchanged = self.policy.counts(masked_in, s[Q + S:Q + 2 * S],
+                                                   s[Q + 2 * S:Q + 3 * S] if t2t is not None else None)
+            if req.trace is not None:
+                req.trace.append(step_entry(s[-S:], masked_in, req.cache_len, B))
+            req.nfe += 1
+            base, n_res, pre_tc = req.cache_len, req.n_res, req.n_tc
+            post_tc = self.policy.final_count(req.params, pre_tc, n_res, filled, unchanged)
+            new = self._emit(req, toks, base, pre_tc, post_tc)
+            eos_seen = req.eos or not self._stop_set.isdisjoint(toks[max(0, req.prompt_len - base): n_res * B])
+            req.cache_len = base + pre_tc * B
+            plan = self.policy.plan(req.params, n_res=n_res, pre_tc=pre_tc, post_tc=post_tc,
+                                    filled_last=filled[n_res - 1], unchanged_last=unchanged[n_res - 1],
+                                    eos_seen=eos_seen, nfe=req.nfe, cache_len=req.cache_len)
+            req.n_res, req.n_tc = n_res - pre_tc + plan.activate, post_tc - pre_tc
+            if plan.finish is not None:
+                if plan.finish == "max_nfe":
+                    new = new + self._emit_partial(req, toks, base, post_tc, n_res)
+                reason = plan.finish if plan.finish == "max_nfe" else ("eos" if req.eos else "length")
+                done.append(req)
+                outs.append(self._finish(req, reason, new))
+                req.n_res = req.n_tc = 0
+            else:
+                outs.append(StepOutput(req.id, new, False, None, req.nfe, req.num_generated))
+            host_row = buf.slot_states(req.n_tc, req.n_res, S) + [req.cache_len]
+            old = self._host_rows[row]
+            if host_row != old:
+                moved |= host_row[-1] != old[-1] or host_row.count(DUMMY) != old.count(DUMMY)
+                self._host_rows[row], dirty = host_row, True
+        if dirty:
+            buf.upload(self._host_rows[:b], self.runner.cache.lengths)
+            if moved:  # committed lengths or resident slots changed: positions and mask too
+                self.runner.invalidate()
+        for req in done:
+            buf.clear_row(req.row)
+
+        dt = time.perf_counter() - t0
+        for _, req in running:
+            req.step_time_s += dt
+        self.stats.steps += 1
+        self.stats.step_s += dt
+        return outs
+
+    def _emit(self, req: Request, toks: list[int], base: int, lo_slot: int, hi_slot: int) -> list[int]:
+        """Append the final tokens of slots [lo_slot, hi_slot) (slot 0 starts at absolute position `base`)."""
+        if hi_slot <= lo_slot or req.eos:
+            return []
+        B = self.block
+        start = base + lo_slot * B
+        seg = toks[lo_slot * B: hi_slot * B]
+        return self._append(req, seg[max(0, req.prompt_len - start): max(0, req.params.gen_end - start)])
+
+    def _emit_partial(self, req: Request, toks: list[int], base: int, lo_slot: int, n_res: int) -> list[int]:
+        """On max_nfe: the still-resident tokens after the final blocks, up to the first mask."""
+        if req.eos:
+            return []
+        B = self.block
+        start = base + lo_slot * B
+        seg = toks[lo_slot * B: n_res * B]
+        seg = seg[max(0, req.prompt_len - start): max(0, req.params.gen_end - start)]
+        if self.mask_id in seg:
+            seg = seg[: seg.index(self.mask_id)]
+        return self._append(req, seg)
+
+    def _append(self, req: Request, ids: list[int]) -> list[int]:
+        for i, t in enumerate(ids):
+            if t in self._stop_set:
+                req.eos = True
+                ids = ids[:i]
+                break
+        req.output.extend(ids)
+        return ids
+
+    def _finish(self, req: Request, reason: str, new: list[int]) -> StepOutput:
+        req.finish_reason = reason
+        req.t_finished = time.perf_counter()
+        self.sched.finish(req)
+        return StepOutput(req.id, new, True, reason, req.nfe, req.num_generated)
+
+    # ----------------------------------------------------------------- convenience drivers
+    def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("string prompts need a tokenizer: build the Engine with one or pass token ids")
+        if chat:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: Params = None,
+                 chat: bool = True) -> list[GenerationResult]:
+        """Decode all prompts with continuous batching and return their results in order."""
+        reqs = [self._add(self.encode(p, chat), params, None) for p in prompts]
+        pending = {r.id for r in reqs}
+        while pending:
+            for out in self.step():
+                if out.finished:
+                    pending.discard(out.request_id)
+        return [self.result(r) for r in reqs]
+
+    def stream(self, prompt: str | Sequence[int], params: Params = None, chat: bool = True) -> Iterator[str]:
+        """Yield the text committed so far as blocks become final (decoded as a whole, new suffix yielded,
+        so merged or multi-byte tokens are never split)."""
+        if self.tokenizer is None:
+            raise ValueError("stream() yields text and needs a tokenizer")
+        req = self._add(self.encode(prompt, chat), params, None)
+        sent, n = "", 0
+        try:
+            while not req.finished:
+                self.step()
+                if len(req.output) == n and not req.finished:
+                    continue
+                n = len(req.output)
+                text = self.tokenizer.decode(req.output)
+                if text.endswith("\ufffd") and not req.finished:
+                    continue  # an incomplete multi-byte character: wait for the rest
+                k = 0
+                while k < min(len(text), len(sent)) and text[k] == sent[k]:
+                    k += 1
+                if text[k:]:
+                    yield text[k:]
+                sent = text
+        finally:
+            if not req.finished:
+                self.abort(req.id)
+
+    def result(self, req: Request) -> GenerationResult:
+        text = self.tokenizer.decode(req.output) if self.tokenizer is not None else ""
+        return GenerationResult(
+            request_id=req.id, text=text, token_ids=list(req.output), nfe=req.nfe, num_generated=req.num_generated,
+            tpf=req.num_generated / max(req.nfe, 1), wall_time_s=req.t_finished - req.t_added,
+            step_latency_ms=1e3 * req.step_time_s / max(req.nfe, 1), finish_reason=req.finish_reason or "",
+            trace=req.trace,
+        )

@@ -1,0 +1,156 @@
+"""The MultiBD decision rules, shared by the Block Buffer engine and the SingleBD / naive references.
+
+`update` is the per-forward part (M2T acceptance, T2T revision), vectorised over [rows, slots, block] so
+that it costs the same few tensor ops for any batch and reduces each slot to counts (masked, accepted,
+revised); `counts`, `final_count` (TO_CACHE marking) and `plan` (finish, activation) are the per-request
+host part, plain integer arithmetic on those counts.
+
+Exact semantics (issue 4; the paper's alg:optimized_multibd writes `>` for progress/stability, the issue
+fixes `>=`, which we follow):
+- progress(b) = non-mask tokens / B (prompt-tail tokens count); stability(b) = filled tokens unchanged by
+  this step / filled tokens (0 when nothing is filled).
+- M2T: in each ACTIVE slot accept masked positions with confidence > tau_m2t, where confidence is the
+  probability of the predicted token (greedy: the max probability; sampling: the sampled token's probability
+  under the tempered distribution). If none is accepted and the preceding slot is semi-complete
+  (progress >= tau_semi, measured on the tokens the model just saw) or the slot is the first resident one,
+  accept the single most confident masked position. The mask token's logit is -inf, so it is never produced.
+- T2T (tau_t2t set): filled, non-prompt positions of ACTIVE slots whose prediction differs from the current
+  token with confidence > tau_t2t are replaced (positions accepted by M2T this step are not revised).
+- Complete: no mask left (with T2T also unchanged by this step). A complete ACTIVE slot whose preceding
+  resident slots are all TO_CACHE (or complete in this same step) becomes TO_CACHE: its tokens are final.
+- Activation (at most one per step): if no resident block is left, the next block starts; otherwise the
+  next DUMMY slot is activated when the last resident block has progress >= tau_add and stability >=
+  tau_stable (if set), no stop token is in the buffer or output, a DUMMY slot is free within the request's
+  buffer_size, and the block starts before the generation limit.
+- Finish: all resident blocks complete and (a stop token was generated or the next block would start past
+  the generation limit); otherwise after max_nfe forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mbd.decoding.state import RequestParams, SlotState
+
+ACTIVE, TO_CACHE = int(SlotState.ACTIVE), int(SlotState.TO_CACHE)
+
+
+@dataclass
+class Decision:
+    """New tokens and per-slot counts; `counts` turns the counts into (filled, unchanged) on the host."""
+
+    tokens: torch.Tensor  # [R, Q] after M2T / T2T
+    masked_in: torch.Tensor  # [R, S] mask tokens the model saw (trace: the slot's mask ratio * B)
+    accepted: torch.Tensor  # [R, S] masked positions filled by M2T
+    revised: torch.Tensor | None  # [R, S] positions replaced by T2T (None: T2T off in the whole batch)
+
+
+@dataclass(frozen=True)
+class Plan:
+    finish: str | None  # None, "done" (eos or length: the caller tells which from the output) or "max_nfe"
+    activate: bool
+
+
+@dataclass
+class Sampler:
+    """Temperature sampling for one row, reproducible from the request's seed whatever the batch holds."""
+
+    row: int
+    temperature: float
+    generator: torch.Generator
+
+
+class Policy:
+    def __init__(self, block_size: int, mask_token_id: int):
+        self.block = block_size
+        self.mask_id = mask_token_id
+        self._pos_in_block: dict[torch.device, torch.Tensor] = {}
+
+    def semi_max_masked(self, tau_semi: float) -> int:
+        """Most mask tokens a block may hold and still be semi-complete (progress >= tau_semi), computed
+        with the same float arithmetic as every other progress test; -1 if no block qualifies."""
+        return max((m for m in range(self.block + 1) if (self.block - m) / self.block >= tau_semi), default=-1)
+
+    def update(self, logits: torch.Tensor, tokens: torch.Tensor, state: torch.Tensor, tau_m2t: torch.Tensor,
+               semi_max_masked: torch.Tensor, fixed: torch.Tensor | None = None, tau_t2t: torch.Tensor | None = None,
+               samplers: list[Sampler] = ()) -> Decision:
+        """Token updates of one forward. logits [R,Q,V] over tokens [R,Q] in slots with `state` [R,S];
+        tau_m2t [R,1,1]; semi_max_masked [R,1] (see `semi_max_masked`); fixed [R,Q] marks prompt tokens
+        (None: none resident); tau_t2t [R,1] (> 1 disables a row) or None. Few, batch-wide tensor ops:
+        on CPU their count, not their size, is the engine's overhead. `logits` is modified in place."""
+        R, Q, _ = logits.shape
+        S, B = state.shape[1], self.block
+        logits.select(-1, self.mask_id).fill_(float("-inf"))
+        conf, x0 = logits.float().softmax(-1).max(-1)
+        for s in samplers:
+            p = (logits[s.row].float() / s.temperature).softmax(-1)
+            x = torch.multinomial(p, 1, generator=s.generator)
+            x0[s.row] = x[:, 0]
+            conf[s.row] = p.gather(1, x)[:, 0]
+
+        masked = tokens.view(R, S, B) == self.mask_id
+        active = (state == ACTIVE).unsqueeze(-1)
+        score = torch.where(masked & active, conf.view(R, S, B), -1.0)  # -1: not a candidate
+        accept = score > tau_m2t
+        top, best = score.max(-1, keepdim=True)
+        masked_in = masked.sum(-1)
+        # the preceding slot is semi-complete (the first slot has none: padded with 0 masks)
+        semi = F.pad(masked_in[:, :-1], (1, 0)) <= semi_max_masked
+        # fallback: a candidate exists (top >= 0), none passed tau_m2t (top <= tau), context semi-complete
+        need = (top >= 0) & (top <= tau_m2t) & semi.unsqueeze(-1)
+        accept |= (self._arange(best.device) == best) & need
+        new = torch.where(accept.view(R, Q), x0, tokens)
+        revised = None
+        if tau_t2t is not None:
+            revise = (~masked & active).view(R, Q) & (x0 != tokens) & (conf > tau_t2t)
+            if fixed is not None:
+                revise &= ~fixed
+            new = torch.where(revise, x0, new)
+            revised = revise.view(R, S, B).sum(-1)
+        return Decision(new, masked_in, accept.sum(-1), revised)
+
+    def counts(self, masked_in: list[int], accepted: list[int], revised: list[int] | None) -> tuple[list[int], list[int]]:
+        """Per slot: filled = non-mask tokens after the update; unchanged = filled tokens this step left alone
+        (M2T only fills masks, T2T only replaces filled tokens)."""
+        B = self.block
+        filled = [B - m + a for m, a in zip(masked_in, accepted)]
+        if revised is None:
+            return filled, [B - m for m in masked_in]
+        return filled, [B - m - r for m, r in zip(masked_in, revised)]
+
+    def final_count(self, p: RequestParams, n_tc: int, n_res: int, filled: list[int], unchanged: list[int]) -> int:
+        """TO_CACHE slots after an update: the TO_CACHE prefix extended by the complete ACTIVE slots that
+        follow it (complete = no mask; with T2T also no token changed, i.e. all B filled and unchanged)."""
+        k = n_tc
+        while k < n_res and filled[k] == self.block and (p.tau_t2t is None or unchanged[k] == self.block):
+            k += 1
+        return k
+
+    def plan(self, p: RequestParams, *, n_res: int, pre_tc: int, post_tc: int, filled_last: int,
+             unchanged_last: int, eos_seen: bool, nfe: int, cache_len: int) -> Plan:
+        """Host decisions after a forward. n_res / pre_tc: resident / TO_CACHE slots at forward time
+        (the pre_tc ones are committed by this forward); post_tc: TO_CACHE slots after the update;
+        filled_last / unchanged_last: counts of the last resident slot; cache_len: committed length after
+        this step's commit."""
+        left = n_res - pre_tc
+        allowed = cache_len + left * self.block < p.gen_end
+        if post_tc == n_res and (eos_seen or not allowed):
+            return Plan("done", False)
+        if nfe >= p.max_nfe:
+            return Plan("max_nfe", False)
+        if eos_seen or not allowed or left >= p.buffer_size:
+            return Plan(None, False)
+        if left == 0:
+            return Plan(None, True)
+        if p.tau_add is None or filled_last / self.block < p.tau_add:
+            return Plan(None, False)
+        stable = unchanged_last / filled_last if filled_last else 0.0
+        return Plan(None, p.tau_stable is None or stable >= p.tau_stable)
+
+    def _arange(self, device: torch.device) -> torch.Tensor:
+        if device not in self._pos_in_block:
+            self._pos_in_block[device] = torch.arange(self.block, device=device)
+        return self._pos_in_block[device]

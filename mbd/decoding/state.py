@@ -1,0 +1,149 @@
+"""Block Buffer state: slot states, the batch-wide device buffers, and the host-side request record.
+
+The device buffers are allocated once and only ever written in place, because the CUDA Graph of the step
+forward reads them by address (`tokens` is the graph's input, `state` decides which slots are visible).
+A row of the buffers is one batch slot, i.e. one request's Block Buffer of `n_buf` block slots.
+Invariant: resident slots (ACTIVE / TO_CACHE) form a prefix of the row, TO_CACHE slots a prefix of those,
+and DUMMY slots hold mask tokens, so activating a slot only flips its state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+from mbd.config import DecodeConfig
+
+
+class SlotState(IntEnum):
+    """sec:appendix_block_states. IN_CACHE blocks have left the buffer (popped); the value names them in traces."""
+
+    DUMMY = 0
+    ACTIVE = 1
+    TO_CACHE = 2
+    IN_CACHE = 3
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """A request's resolved decoding parameters (host side; thresholds None = not used, as in the table)."""
+
+    buffer_size: int
+    gen_end: int  # absolute position where generation must stop: min(prompt + max_new_tokens, max_length)
+    max_nfe: int
+    tau_add: float | None
+    tau_semi: float
+    tau_stable: float | None
+    tau_m2t: float
+    tau_t2t: float | None
+    temperature: float
+    seed: int
+
+    @classmethod
+    def resolve(cls, cfg: DecodeConfig, prompt_len: int, max_length: int) -> "RequestParams":
+        limit = min(cfg.max_length, max_length)
+        if prompt_len >= limit:
+            raise ValueError(f"prompt has {prompt_len} tokens but max_length is {limit}: shorten the prompt "
+                             "or raise max_length (the engine's max_length caps every request)")
+        return cls(cfg.buffer_size, min(prompt_len + cfg.max_new_tokens, limit), cfg.max_nfe, cfg.tau_add,
+                   cfg.tau_semi, cfg.tau_stable, cfg.tau_m2t, cfg.tau_t2t, cfg.temperature, cfg.seed)
+
+
+class BatchBuffers:
+    """Device tensors for `rows` Block Buffers of `n_buf` slots of `block` tokens each.
+
+    The host knows every row's slot states exactly (they follow from its TO_CACHE / resident counts), so
+    it writes `state` and the cache lengths with one small upload instead of many index ops."""
+
+    def __init__(self, rows: int, n_buf: int, block: int, mask_id: int, device: torch.device):
+        self.n_buf, self.block, self.mask_id = n_buf, block, mask_id
+        q = n_buf * block
+        self.tokens = torch.full((rows, q), mask_id, dtype=torch.long, device=device)
+        self.state = torch.zeros(rows, n_buf, dtype=torch.long, device=device)
+        self.prompt_len = torch.zeros(rows, dtype=torch.long, device=device)
+        self.tau_m2t = torch.ones(rows, 1, 1, device=device)  # broadcasts over [rows, slots, block]
+        self.semi_max_masked = torch.full((rows, 1), -1, dtype=torch.long, device=device)
+        self.tau_t2t = torch.full((rows, 1), 2.0, device=device)  # > 1: never revises
+
+    def load_row(self, row: int, first_block: list[int], prompt_len: int, p: RequestParams, semi_max_masked: int) -> None:
+        """Start a request: slot 0 ACTIVE holding the prompt tail (fixed) followed by masks."""
+        self.tokens[row] = self.mask_id
+        if first_block:
+            self.tokens[row, : len(first_block)] = torch.tensor(first_block, device=self.tokens.device)
+        self.state[row] = SlotState.DUMMY
+        self.state[row, 0] = SlotState.ACTIVE
+        self.prompt_len[row] = prompt_len
+        self.tau_m2t[row] = p.tau_m2t
+        self.semi_max_masked[row] = semi_max_masked
+        self.tau_t2t[row] = 2.0 if p.tau_t2t is None else p.tau_t2t
+
+    def clear_row(self, row: int) -> None:
+        """A free batch slot: all DUMMY and masked, inert while the static forward still runs it."""
+        self.tokens[row] = self.mask_id
+        self.state[row] = SlotState.DUMMY
+
+    def store_tokens(self, new: torch.Tensor, n_pop: list[int]) -> None:
+        """Write the updated tokens of the first len(n_pop) rows, popping n_pop[r] front slots of row r
+        and appending as many (masked) DUMMY slots (two slice ops per popping row)."""
+        b, q = new.shape
+        self.tokens[:b].copy_(new)
+        for r, k in enumerate(n_pop):
+            if k:
+                cut = k * self.block
+                self.tokens[r, : q - cut].copy_(new[r, cut:])
+                self.tokens[r, q - cut:].fill_(self.mask_id)
+
+    @staticmethod
+    def slot_states(n_tc: int, n_res: int, n_buf: int) -> list[int]:
+        return [SlotState.TO_CACHE] * n_tc + [SlotState.ACTIVE] * (n_res - n_tc) + [SlotState.DUMMY] * (n_buf - n_res)
+
+    def upload(self, rows: list[list[int]], lengths: torch.Tensor) -> None:
+        """rows[r] = slot states of row r followed by its committed cache length (one host -> device copy)."""
+        t = torch.tensor(rows, device=self.state.device)
+        self.state[: len(rows)].copy_(t[:, :-1])
+        lengths[: len(rows)].copy_(t[:, -1])
+
+
+@dataclass
+class Request:
+    """Host-side record of one request: what the step loop needs per row, in plain Python ints."""
+
+    id: str
+    prompt_ids: list[int]
+    params: RequestParams
+    block: int
+    row: int = -1
+    cache_len: int = 0  # committed prefix length (mirror of cache.lengths[row])
+    n_res: int = 0  # resident (ACTIVE + TO_CACHE) slots
+    n_tc: int = 0  # TO_CACHE slots (a prefix of the resident ones)
+    nfe: int = 0
+    output: list[int] = field(default_factory=list)
+    eos: bool = False  # a stop token was emitted (the output is cut there)
+    finish_reason: str | None = None
+    aborted: bool = False
+    t_added: float = field(default_factory=time.perf_counter)
+    t_finished: float = 0.0
+    step_time_s: float = 0.0
+    trace: list[dict] | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def aligned_len(self) -> int:
+        """Block-aligned prompt part that is prefilled into the KV cache."""
+        return self.prompt_len // self.block * self.block
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens decoded up to and including the first stop token (TPF's numerator)."""
+        return len(self.output) + int(self.eos)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

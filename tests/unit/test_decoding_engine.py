@@ -1,0 +1,199 @@
+"""Block Buffer engine vs its references on tiny random models of both families (float64, so that the
+different but mathematically equal computations cannot flip a greedy decision).
+
+The random models are tempered (lm_head scaled) so that some positions pass tau_m2t and others need the
+semi-complete fallback, and tau_add is low so that several blocks are active at once: every equivalence
+test asserts that more than one block was active, so it cannot pass on the trivial SingleBD path.
+"""
+
+import pytest
+import torch
+
+from mbd.config import DecodeConfig
+from mbd.decoding import Engine, NaiveMultiBD, SingleBD
+from mbd.decoding.trace import block_histories, summarize
+from mbd.model import KVCache, build_model
+from mbd.model.masks import block_causal_dense
+from tests.conftest import tiny_cfg
+
+
+
+PROMPTS = [list(range(3, 13)), list(range(20, 28)), [5, 9, 2], list(range(30, 47))]  # tails 2, 0, 3, 1
+
+
+def tempered_model(family, scale=10.0, seed=0):
+    cfg = tiny_cfg(family)
+    model = build_model(cfg, seed=seed).double().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model, cfg
+
+
+def dcfg(**kw):
+    base = dict(buffer_size=3, max_length=160, max_new_tokens=36, max_nfe=200, tau_add=0.25, tau_semi=0.5, tau_m2t=0.2)
+    base.update(kw)
+    return DecodeConfig(**base)
+
+
+def max_active(trace):
+    return max(sum(s == "ACTIVE" for s in e["states"]) for e in trace)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(tau_m2t=0.1),
+    dict(tau_m2t=0.2, tau_stable=0.5),
+    dict(tau_m2t=0.5, tau_add=0.5, tau_semi=0.75),
+    dict(tau_m2t=0.1, tau_t2t=0.5, max_nfe=60),
+    dict(buffer_size=2, tau_m2t=0.1),
+])
+def test_engine_equals_naive_multibd(family, kw):
+    model, cfg = tempered_model(family)
+    dc = dcfg(**kw)
+    engine = Engine(model, None, dc, max_batch_slots=1, trace=True)
+    naive = NaiveMultiBD(model, dc, [cfg.eos_token_id])
+    multi = False
+    for prompt in PROMPTS:
+        got = engine.generate([prompt])[0]
+        want = naive.generate(prompt)
+        assert (got.token_ids, got.nfe, got.finish_reason, got.num_generated) == \
+            (want.token_ids, want.nfe, want.finish_reason, want.num_generated)
+        assert max_active(got.trace) == max(want.active_counts)
+        multi |= max(want.active_counts) > 1
+    assert multi, "no step had more than one active block: the test would be trivial"
+
+
+@pytest.mark.parametrize("buffer_size,tau_add", [(1, None), (3, 1.5), (4, 1.01)])
+def test_singlebd_equivalences(family, buffer_size, tau_add):
+    model, cfg = tempered_model(family)
+    dc = dcfg(buffer_size=buffer_size, tau_add=tau_add, tau_m2t=0.1)
+    engine = Engine(model, None, dc, max_batch_slots=1, trace=True)
+    ref = SingleBD(model, dc, [cfg.eos_token_id])
+    for prompt in PROMPTS:
+        got, want = engine.generate([prompt])[0], ref.generate(prompt)
+        assert (got.token_ids, got.nfe, got.finish_reason) == (want.token_ids, want.nfe, want.finish_reason)
+        assert max_active(got.trace) == 1
+
+
+def test_kv_cached_decoding_equals_full_recompute(family):
+    model, cfg = tempered_model(family)
+    for dc in (dcfg(tau_m2t=0.1), dcfg(buffer_size=1, tau_add=None, tau_m2t=0.1)):
+        engine = Engine(model, None, dc, max_batch_slots=1)
+        full = NaiveMultiBD(model, dc, [cfg.eos_token_id], recompute=True)
+        single_full = SingleBD(model, dc, [cfg.eos_token_id], recompute=True)
+        for prompt in PROMPTS[:3]:
+            got = engine.generate([prompt])[0]
+            want = full.generate(prompt)
+            assert (got.token_ids, got.nfe) == (want.token_ids, want.nfe)
+            if dc.buffer_size == 1:
+                assert single_full.generate(prompt).token_ids == got.token_ids
+
+
+def test_input_shape_never_changes():
+    model, _ = tempered_model("sdar")
+    engine = Engine(model, None, dcfg(tau_m2t=0.1), max_batch_slots=1)
+    engine.generate(PROMPTS)
+    assert list(engine.runner.shapes) == [(1, 3 * 4)] and engine.runner.shapes[(1, 12)] == engine.stats.steps
+    # fully static batch: requests join and leave, the forward shape stays [batch_slots, N_buf * B]
+    engine = Engine(model, None, dcfg(tau_m2t=0.1), max_batch_slots=3, batch_buckets=[3])
+    engine.generate(PROMPTS + PROMPTS[:2])
+    assert list(engine.runner.shapes) == [(3, 12)]
+
+
+def run_batch_with_joins(engine, jobs):
+    """jobs: (step at which to add, prompt, params). Returns {request_id: tokens} and the running-set sizes."""
+    out, occupancy, step, ids = {}, [], 0, {}
+    pending = sorted(jobs, key=lambda j: j[0])
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, prompt, params = pending.pop(0)
+            ids[engine.add_request(prompt, params)] = prompt
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        occupancy.append(len(engine.sched.running))
+        step += 1
+    return ids, out, occupancy
+
+
+def test_batch_equals_alone_with_joins_and_leaves(family):
+    model, cfg = tempered_model(family)
+    dc = dcfg(tau_m2t=0.1)
+    naive = NaiveMultiBD(model, dc, [cfg.eos_token_id])
+    jobs = [(0, PROMPTS[0], None), (0, PROMPTS[1], {"max_new_tokens": 6}), (2, PROMPTS[2], {"buffer_size": 2}),
+            (3, PROMPTS[3], None), (5, PROMPTS[1], {"max_new_tokens": 13, "tau_m2t": 0.3}), (9, [7, 7, 7, 7, 7], None)]
+    for buckets in (None, [3]):
+        engine = Engine(model, None, dc, max_batch_slots=3, batch_buckets=buckets)
+        ids, out, occupancy = run_batch_with_joins(engine, jobs)
+        assert max(occupancy) == 3 and 0 < min(occupancy[:-1]) < 3  # full at times, requests left mid-run
+        for (rid, prompt), (_, _, params) in zip(ids.items(), jobs):
+            alone = NaiveMultiBD(model, engine.resolve_params(params), [cfg.eos_token_id]).generate(prompt)
+            assert out[rid] == alone.token_ids
+        assert engine.num_free_slots() == 3 and not engine.has_unfinished()
+    assert naive.generate(PROMPTS[0]).token_ids == out[next(iter(ids))]
+
+
+ORDER = ["DUMMY", "ACTIVE", "TO_CACHE", "IN_CACHE"]
+
+
+def test_slot_transitions_and_decode_store_overlap(family):
+    model, _ = tempered_model(family)
+    engine = Engine(model, None, dcfg(tau_m2t=0.1, max_new_tokens=40), max_batch_slots=1, trace=True)
+    for prompt in PROMPTS:
+        res = engine.generate([prompt])[0]
+        aligned = len(prompt) // 4 * 4
+        histories = block_histories(res.trace, aligned, 4)
+        assert len(histories) >= 5
+        for k, hist in histories.items():
+            ranks = [ORDER.index(s) for s in hist]
+            assert all(b - a in (0, 1) for a, b in zip(ranks, ranks[1:])), (k, hist)  # only the next state
+            if "IN_CACHE" in hist:  # committed only after a forward that re-ran its final tokens
+                assert hist.index("TO_CACHE") < hist.index("IN_CACHE")
+        overlap = [e for e in res.trace if e["states"][0] == "TO_CACHE" and "ACTIVE" in e["states"]]
+        assert overlap, "a completed block was never stored while a later block was decoded"
+        stats = summarize([res.trace])
+        assert stats["forwards"] == res.nfe == sum(stats["active_blocks_hist"].values())
+        assert 1 <= stats["active_blocks_mean"] <= 3 and all(0 <= r <= 1 for r in stats["mask_ratio_by_rank"].values())
+
+
+def test_committed_kv_equals_full_forward(family):
+    model, cfg = tempered_model(family)
+    engine = Engine(model, None, dcfg(tau_m2t=0.1, max_new_tokens=30), max_batch_slots=2)
+    prompt = PROMPTS[0]
+    res = engine.generate([PROMPTS[2], prompt])  # the second request decodes in row 1
+    assert res[1].finish_reason == "length"
+    cache = engine.runner.cache
+    n = int(cache.lengths[1])
+    assert n > len(prompt) + 8
+    ids = torch.tensor([(prompt + res[1].token_ids)[:n]])
+    ref = KVCache(cfg, 1, n, dtype=torch.float64)
+    pos = torch.arange(n)[None]
+    with torch.no_grad():
+        model(ids, pos, block_causal_dense(pos, n, torch.tensor([n]), 4), cache=ref)
+    torch.testing.assert_close(cache.k[:, 1, :, :n], ref.k[:, 0], atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(cache.v[:, 1, :, :n], ref.v[:, 0], atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replay_equals_eager():
+    cfg = tiny_cfg("sdar")
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)
+    model = model.cuda()
+    dc = dcfg(tau_m2t=0.1)
+    graph = Engine(model, None, dc, max_batch_slots=4, use_cuda_graphs=True)
+    eager = Engine(model, None, dc, max_batch_slots=4, use_cuda_graphs=False)
+    a, b = graph.generate(PROMPTS), eager.generate(PROMPTS)
+    assert graph.runner._graphs, "no graph was captured"
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [r.nfe for r in a] == [r.nfe for r in b]
+
+
+def test_runner_mask_equals_block_causal_dense():
+    model, _ = tempered_model("sdar")
+    runner = Engine(model, None, dcfg(), max_batch_slots=3).runner
+    lengths = torch.tensor([0, 8, 40])
+    pos = lengths[:, None] + torch.arange(12)
+    for n_res in ([0, 1, 3], [1, 2, 3], [3, 0, 2]):
+        visible = lengths + torch.tensor(n_res) * 4
+        assert torch.equal(runner.mask(pos, visible), block_causal_dense(pos, runner.cache.size, visible, 4))
