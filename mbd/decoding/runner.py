@@ -27,6 +27,7 @@ from torch import nn
 from mbd.config import ModelConfig
 from mbd.decoding.state import BatchBuffers, SlotState
 from mbd.model import KVCache
+from mbd.model.tp import SINGLE
 
 
 def graph_capturable(model: nn.Module) -> bool:
@@ -43,7 +44,7 @@ class ModelRunner:
         rows, self.q = buf.tokens.shape
         dev = buf.tokens.device
         dtype = next(model.parameters()).dtype
-        self.cache = KVCache(cfg, rows, max_len, margin=self.q, dtype=dtype, device=dev)
+        self.cache = KVCache(cfg, rows, max_len, margin=self.q, dtype=dtype, device=dev, tp=getattr(model, "tp", SINGLE))
         self.buckets = tuple(sorted(set(buckets)))
         if self.buckets[-1] != rows:
             raise ValueError(f"batch_buckets {buckets} must include max_batch_slots={rows}")

@@ -1,0 +1,224 @@
+"""Engine host: rank 0 of a decoder replica, bridging asyncio request handlers and the lockstep engine loop.
+
+The engine loop runs in a background thread (torch releases the GIL in its kernels) so the replica's event
+loop keeps accepting and streaming requests while it decodes. Handlers hand requests to the loop through a
+thread-safe inbox; the loop sends each request's committed blocks back through that request's asyncio.Queue.
+With tensor_parallel_size > 1 the host starts ranks 1.. as `TPWorker` actors in the other bundles of the
+replica's placement group and leads them through `Lockstep` (see actors/tp_worker.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Sequence
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.tp_worker import Lockstep, ModelSpec, Op, TPWorker, build_engine, free_port, init_tp
+from mbd.config import DecodeConfig, ModelConfig, read_json
+from mbd.decoding.engine import StepOutput
+
+IDLE_TICK_S = 1.0  # an idle rank 0 still broadcasts this often, so follower ranks never hit a collective timeout
+
+
+class EngineDead(RuntimeError):
+    """The engine loop stopped; the replica must be replaced (check_health fails)."""
+
+
+@dataclass
+class Delta:
+    """What a request receives per engine step that committed tokens (or finished it)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    nfe: int = 0
+    num_generated: int = 0
+
+    def merge(self, later: "Delta") -> "Delta":
+        return Delta(self.token_ids + later.token_ids, later.finished, later.finish_reason, later.nfe,
+                     later.num_generated)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def send(self, item: "Delta | BaseException") -> None:
+        """Called from the engine thread; a closed event loop (replica shutting down) just drops the item."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass
+
+
+class EngineHost:
+    def __init__(self, spec: ModelSpec, decode: DecodeConfig, on_queue_length: Callable[[int], None] | None = None,
+                 startup_timeout_s: float = 600.0):
+        self.spec = spec
+        self.decode = decode
+        self._on_queue_length = on_queue_length
+        self._inbox: queue.SimpleQueue[Op] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._ready = threading.Event()
+        self._lockstep: Lockstep | None = None
+        self.num_aborted = 0
+        self.model_cfg = ModelConfig.from_hf(read_json(spec.resolved_path() / "config.json"))
+        world = spec.tensor_parallel_size
+        addr, port = (ray.util.get_node_ip_address(), free_port()) if world > 1 else ("", 0)
+        self._workers = [self._start_worker(r, addr, port) for r in range(1, world)]
+        self._thread = threading.Thread(target=self._main, args=(addr, port), name="mbd-engine", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(startup_timeout_s):
+            raise EngineDead(f"engine did not start within {startup_timeout_s:.0f}s")
+        self.check()
+
+    def _start_worker(self, rank: int, addr: str, port: int) -> tuple[object, ray.ObjectRef]:
+        pg = ray.util.get_current_placement_group()
+        if pg is None:
+            raise EngineDead("tensor_parallel_size > 1 needs a placement group (Serve placement_group_bundles)")
+        actor = TPWorker.options(
+            num_cpus=self.spec.num_cpus_per_rank, num_gpus=self.spec.num_gpus_per_rank,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+        ).remote()
+        return actor, actor.run.remote(self.spec, self.decode, rank, addr, port)
+
+    # ---- engine thread ----
+
+    def _main(self, addr: str, port: int) -> None:
+        try:
+            tp, ctrl = init_tp(self.spec, 0, addr, port)
+            with torch.inference_mode():
+                lock = self._lockstep = Lockstep(build_engine(self.spec, self.decode, tp), tp.world, ctrl)
+                self._ready.set()
+                n_live = 0
+                while True:
+                    ops = lock.exchange(self._drain(block=not lock.engine.has_unfinished()))
+                    for rid, reason in lock.apply(ops):
+                        self._fail(rid, ValueError(f"request refused by the engine: {reason}"))
+                    if lock.stopped:
+                        break
+                    self._publish(lock.step())
+                    if self._on_queue_length is not None and len(lock.live) != n_live:
+                        n_live = len(lock.live)
+                        self._on_queue_length(n_live)
+        except BaseException as e:  # noqa: BLE001 - any failure must reach the waiting requests and check_health
+            self._fail_all(e)
+        finally:
+            self._ready.set()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _drain(self, block: bool) -> list[Op]:
+        ops = []
+        try:
+            ops.append(self._inbox.get(timeout=IDLE_TICK_S) if block else self._inbox.get_nowait())
+            while True:
+                ops.append(self._inbox.get_nowait())
+        except queue.Empty:
+            return ops
+
+    def _publish(self, outs: Sequence[StepOutput]) -> None:
+        for o in outs:
+            if not (o.new_token_ids or o.finished):
+                continue
+            with self._lock:
+                s = self._streams.pop(o.request_id, None) if o.finished else self._streams.get(o.request_id)
+            if s is not None:
+                s.send(Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated))
+
+    def _fail(self, rid: str, e: BaseException) -> None:
+        with self._lock:
+            s = self._streams.pop(rid, None)
+        if s is not None:
+            s.send(e)
+
+    def _fail_all(self, e: BaseException) -> None:
+        with self._lock:
+            self._error = e
+            streams, self._streams = list(self._streams.values()), {}
+        for s in streams:
+            s.send(EngineDead(f"engine loop failed: {e!r}"))
+
+    # ---- event-loop side ----
+
+    def check(self) -> None:
+        """Raise if this replica can no longer serve (engine thread or a TP rank died)."""
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDead(f"engine loop is not running: {self._error!r}")
+        if self._workers:
+            done, _ = ray.wait([ref for _, ref in self._workers], num_returns=len(self._workers), timeout=0)
+            if done:
+                raise EngineDead(f"tensor-parallel rank exited: {ray.get(done[0])!r}")
+
+    def validate(self, prompt_ids: list[int], params: DecodeConfig) -> None:
+        """Last line of defence (the ingress checks first): nothing that could crash the engine gets in."""
+        cfg, d = self.model_cfg, self.decode
+        if not isinstance(params, DecodeConfig):
+            raise ValueError(f"params must be a DecodeConfig, got {type(params).__name__}")
+        if params.buffer_size > d.buffer_size or params.block_size != d.block_size:
+            raise ValueError(f"buffer_size {params.buffer_size} / block_size {params.block_size} do not fit this "
+                             f"replica's compiled {d.buffer_size} / {d.block_size}")
+        if params.max_length > d.max_length or params.max_nfe > d.max_nfe:
+            raise ValueError("max_length and max_nfe cannot exceed the replica's configuration")
+        if not prompt_ids or len(prompt_ids) >= min(d.max_length, cfg.max_position_embeddings):
+            raise ValueError(f"prompt length {len(prompt_ids)} is empty or leaves no room to generate")
+        if any(not isinstance(t, int) or not 0 <= t < cfg.vocab_size or t == cfg.mask_token_id for t in prompt_ids):
+            raise ValueError("prompt ids must be ints in [0, vocab_size) other than the mask token")
+
+    def stats(self) -> dict[str, float]:
+        """A snapshot for operators and tests: open streams, aborted requests, requests in the engine, free slots,
+        and the engine's decode steps and their total wall time."""
+        lock = self._lockstep
+        if lock is None:
+            return {"streams": len(self._streams), "aborted": self.num_aborted}
+        e = lock.engine
+        return {"streams": len(self._streams), "aborted": self.num_aborted, "in_engine": len(lock.live),
+                "free_slots": e.num_free_slots(), "steps": e.stats.steps, "step_s": e.stats.step_s}
+
+    async def generate(self, prompt_ids: list[int], params: DecodeConfig) -> AsyncIterator[Delta]:
+        """Yield merged deltas until the request finishes; leaving early (client gone) aborts it in the engine."""
+        rid = uuid.uuid4().hex
+        s = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:  # registered under the lock that _fail_all takes: no request can slip past a dying loop
+            self.check()
+            self._streams[rid] = s
+        self._inbox.put(("add", rid, list(prompt_ids), params))
+        finished = False
+        try:
+            while not finished:
+                items = [await s.queue.get()]
+                while not s.queue.empty():
+                    items.append(s.queue.get_nowait())
+                for it in items:
+                    if isinstance(it, BaseException):
+                        raise it
+                d = items[0]
+                for it in items[1:]:
+                    d = d.merge(it)
+                finished = d.finished
+                yield d
+        finally:
+            if not finished:
+                self._abort(rid)
+
+    def _abort(self, rid: str) -> None:
+        with self._lock:
+            live = self._streams.pop(rid, None) is not None
+        if live:
+            self.num_aborted += 1
+            self._inbox.put(("abort", rid))
+
+    def shutdown(self) -> None:
+        self._inbox.put(("stop",))
+        self._thread.join(timeout=10)

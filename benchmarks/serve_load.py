@@ -1,0 +1,159 @@
+"""Serving load test on the tiny model: throughput and p50/p99 latency at 1, 8 and 32 concurrent clients over
+HTTP (Ray Serve, configs/serve/tiny.yaml), and the same workload on the engine called directly in this process.
+
+Each client is closed-loop (sends its next request when the previous one returns). The direct run keeps the
+same number of requests in flight through `add_request`/`step`, so HTTP/direct ratios measured in one run are
+the cost of the service (HTTP, validation, tokenization, Serve routing, the Ray stream of committed blocks and
+the engine thread hand-off). Direct and HTTP rounds alternate and the best round of each is kept, because this
+machine is shared; on an oversubscribed machine the multi-process HTTP path gets more CPU shares than the
+single direct process, so read the ratios together with the machine load.
+
+    python -m benchmarks.serve_load                          # the embedded model (mbd/assets/tiny)
+    python -m benchmarks.serve_load --model DIR --max-tokens 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from mbd.decoding import Engine
+from mbd.model import load_checkpoint
+from mbd.tiny.task import generate as tiny_problems
+from mbd.tokenizer import Tokenizer
+from serve_app.config import ServeConfig, load_serve_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def summary(lat_s: list[float], tokens: int, wall_s: float) -> dict:
+    return {"requests": len(lat_s), "req_per_s": len(lat_s) / wall_s, "tok_per_s": tokens / wall_s,
+            "p50_ms": 1e3 * statistics.median(lat_s), "p99_ms": 1e3 * percentile(lat_s, 0.99)}
+
+
+def run_direct(engine: Engine, prompts: list[list[int]], conc: int, max_tokens: int) -> dict:
+    """`conc` requests in flight through the engine's own API (what `conc` HTTP clients keep busy)."""
+    params = engine.cfg.model_copy(update={"max_new_tokens": max_tokens})
+    todo, started, lat, tokens = list(prompts), {}, [], 0
+    t0 = time.perf_counter()
+    while todo or started:
+        while todo and len(started) < conc:
+            started[engine.add_request(todo.pop(), params)] = time.perf_counter()
+        for o in engine.step():
+            tokens += len(o.new_token_ids)
+            if o.finished:
+                lat.append(time.perf_counter() - started.pop(o.request_id))
+    return summary(lat, tokens, time.perf_counter() - t0)
+
+
+async def run_http(url: str, model: str, messages: list[list[dict]], conc: int, max_tokens: int) -> dict:
+    todo, lat, tokens = list(messages), [], 0
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        while todo:
+            body = {"model": model, "messages": todo.pop(), "max_tokens": max_tokens}
+            t = time.perf_counter()
+            r = await http.post(url, json=body)
+            r.raise_for_status()
+            lat.append(time.perf_counter() - t)
+            tokens += r.json()["usage"]["completion_tokens"]
+
+    limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(conc)))
+        return summary(lat, tokens, time.perf_counter() - t0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(REPO / "configs" / "serve" / "tiny.yaml"))
+    p.add_argument("--model", help="model directory (default: the config's model.path)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--per-client", type=int, default=4, help="requests per client (at least 16 per level)")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
+    p.add_argument("--rounds", type=int, default=2, help="alternating direct/HTTP rounds; the best is kept")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+
+    cfg: ServeConfig = load_serve_config(args.config)
+    if args.model:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": args.model})})
+    path = cfg.model.resolved_path()
+    if not (path / "config.json").is_file():
+        p.error(f"no model at {path}: train it (`mbd pretrain-tiny`) or pass --model DIR")
+    n_max = max(max(16, c * args.per_client) for c in args.concurrency)
+    questions = [r["question"] for r in tiny_problems("heldout", n_max, seed=0)]
+    messages = [[{"role": "user", "content": q}] for q in questions]
+
+    model, mcfg = load_checkpoint(path)
+    tok = Tokenizer.from_dir(path, mcfg)
+    engine = Engine(model, tok, cfg.decode, max_batch_slots=cfg.model.max_batch_slots)
+    ids = [tok.encode_chat(m) for m in messages]
+
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    port = free_port()
+    results: dict[int, dict] = {}
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"serve_config": cfg}), name="bench", route_prefix="/")
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        run_direct(engine, ids[:2], 2, args.max_tokens)  # warm-up
+        asyncio.run(run_http(url, cfg.model.name, messages[:2], 2, args.max_tokens))
+        for c in args.concurrency:
+            n = max(16, c * args.per_client)
+            runs: dict[str, list[dict]] = {"direct": [], "http": []}
+            for _ in range(args.rounds):  # alternate, so both paths see the same background load
+                runs["direct"].append(run_direct(engine, ids[:n], c, args.max_tokens))
+                runs["http"].append(asyncio.run(run_http(url, cfg.model.name, messages[:n], c, args.max_tokens)))
+            results[c] = {k: max(v, key=lambda s: s["req_per_s"]) for k, v in runs.items()}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    print(f"model {path.name}, buffer_size {cfg.decode.buffer_size}, max_batch_slots {cfg.model.max_batch_slots}, "
+          f"max_tokens {args.max_tokens}, torch threads 1, Ray CPUs {args.cpus}")
+    print(f"{'clients':>7} {'path':>6} {'req':>4} {'req/s':>7} {'tok/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    for c, r in results.items():
+        for kind in ("direct", "http"):
+            s = r[kind]
+            print(f"{c:>7} {kind:>6} {s['requests']:>4} {s['req_per_s']:>7.2f} {s['tok_per_s']:>8.1f} "
+                  f"{s['p50_ms']:>8.1f} {s['p99_ms']:>8.1f}")
+        r["http_over_direct"] = {"p50_latency": r["http"]["p50_ms"] / r["direct"]["p50_ms"],
+                                 "p50_added_ms": r["http"]["p50_ms"] - r["direct"]["p50_ms"],
+                                 "throughput": r["http"]["req_per_s"] / r["direct"]["req_per_s"]}
+        o = r["http_over_direct"]
+        print(f"{'':>7} http/direct: p50 latency x{o['p50_latency']:.2f} (+{o['p50_added_ms']:.1f} ms), "
+              f"throughput x{o['throughput']:.2f}")
+    print(json.dumps({str(c): r for c, r in results.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

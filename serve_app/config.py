@@ -1,0 +1,71 @@
+"""The serving configuration (`configs/serve/*.yaml`), validated once when the application is built.
+
+One file describes a whole deployment: which model, how it is sharded, the decoding defaults that also bound
+every request (a request cannot ask for a larger Block Buffer than the deployment compiled), the Serve
+scaling knobs and the HTTP front door. Bad values fail at `mbd serve` time, naming the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from actors.tp_worker import ModelSpec
+from mbd.config import DecodeConfig, StrictModel, load_yaml
+
+
+class RequestLimits(StrictModel):
+    default_max_tokens: int | None = Field(default=None, gt=0, description="when a request omits max_tokens")
+    max_temperature: float = Field(default=2.0, ge=0)
+
+
+class Autoscaling(StrictModel):
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=1, ge=1)
+    target_ongoing_requests: float = Field(default=8, gt=0)
+    upscale_delay_s: float = Field(default=30, ge=0)
+    downscale_delay_s: float = Field(default=600, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Autoscaling":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} must be <= max_replicas={self.max_replicas}")
+        return self
+
+
+class DecoderDeployment(StrictModel):
+    """Serve knobs of the engine-host deployment (one replica = one placement group = TP ranks)."""
+
+    max_ongoing_requests: int = Field(default=16, ge=1, description="requests inside one replica's engine")
+    max_queued_requests: int = Field(default=64, ge=-1, description="-1: unbounded; beyond it clients get 503")
+    retry_after_s: float = Field(default=1.0, ge=0)
+    autoscaling: Autoscaling = Autoscaling()
+    health_check_period_s: float = Field(default=10, gt=0)
+    health_check_timeout_s: float = Field(default=30, gt=0)
+
+
+class IngressDeployment(StrictModel):
+    num_replicas: int = Field(default=1, ge=1)
+    max_ongoing_requests: int = Field(default=256, ge=1)
+    num_cpus: float = Field(default=0.0, ge=0)
+
+
+class HTTPSpec(StrictModel):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    route_prefix: str = "/"
+    api_key: str | None = Field(default=None, description="bearer token; unset: MBD_API_KEY env, else no auth")
+
+
+class ServeConfig(StrictModel):
+    model: ModelSpec
+    decode: DecodeConfig = DecodeConfig()
+    limits: RequestLimits = RequestLimits()
+    decoder: DecoderDeployment = DecoderDeployment()
+    ingress: IngressDeployment = IngressDeployment()
+    http: HTTPSpec = HTTPSpec()
+
+
+def load_serve_config(path: str | Path) -> ServeConfig:
+    return load_yaml(path, ServeConfig)

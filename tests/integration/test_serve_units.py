@@ -1,0 +1,190 @@
+"""Serving pieces without Ray Serve: detokenization with stop strings, serve configs, error field names, and
+the engine host (rank 0's loop thread) driven in-process against the real engine."""
+
+import asyncio
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.decoder import EngineDead, EngineHost
+from actors.tp_worker import ModelSpec
+from mbd.config import ConfigError, DecodeConfig, ModelConfig
+from mbd.decoding import Engine
+from mbd.model import build_model, load_checkpoint, save_checkpoint
+from mbd.tiny.vocab import save_tokenizer, special_token_ids, vocab
+from mbd.tokenizer import Tokenizer
+from serve_app.protocol import field_path
+from serve_app.config import load_serve_config
+from serve_app.textstream import TextStream
+
+REPO = Path(__file__).resolve().parents[2]
+DECODE = DecodeConfig(buffer_size=2, tau_add=0.1, tau_semi=0.9, tau_m2t=0.9, max_length=1024, max_new_tokens=1000)
+
+
+def make_checkpoint(d: Path, seed: int = 0) -> Path:
+    """A random tiny SDAR model with the char tokenizer that never emits a stop token: the head rows of EOS,
+    <|im_end|> and the mask are zero while the others are scaled up, so some other logit always wins. The large
+    logit gaps also keep argmax decisions immune to TP float noise."""
+    ids = special_token_ids()
+    cfg = ModelConfig(family="sdar", vocab_size=len(vocab()), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      mask_token_id=ids["mask_token_id"], eos_token_id=ids["eos_token_id"],
+                      pad_token_id=ids["pad_token_id"], block_size=4, max_position_embeddings=1024)
+    model = build_model(cfg, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100.0)
+        model.lm_head.weight[[ids["eos_token_id"], ids["im_end_id"], ids["mask_token_id"]]] = 0
+    save_checkpoint(model, cfg, d)
+    save_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("serve_units") / "ck")
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt) -> Tokenizer:
+    return Tokenizer.from_dir(ckpt, load_checkpoint(ckpt)[1])
+
+
+# ---- TextStream ----
+
+
+def _pieces(tok: Tokenizer, text: str, stop: list[str], block: int) -> tuple[list[str], TextStream]:
+    ids = tok.encode(text)
+    ts = TextStream(tok, stop)
+    out = [ts.push(ids[i:i + block]) for i in range(0, len(ids), block)]
+    return out + [ts.finish()], ts
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 4])
+def test_textstream_stop_string_across_blocks(tok, block):
+    pieces, ts = _pieces(tok, "abc12+34=46;xyz", ["=46;", "zz"], block)
+    assert "".join(pieces) == "abc12+34" and ts.stopped
+    assert ts.text == "abc12+34"
+
+
+def test_textstream_holds_back_only_possible_stop_prefixes(tok):
+    ts = TextStream(tok, ["+3="])
+    assert ts.push(tok.encode("12+")) == "12"  # "+" may start the stop string
+    assert ts.push(tok.encode("4")) == "+4"  # it did not
+    assert ts.push(tok.encode("+3")) == ""
+    assert ts.push(tok.encode("=9")) == "" and ts.stopped
+    assert ts.finish() == ""
+
+
+def test_textstream_without_stop_streams_everything(tok):
+    pieces, ts = _pieces(tok, "hello world 1+2=3", [], 4)
+    assert "".join(pieces) == "hello world 1+2=3" and not ts.stopped
+    assert all(pieces[:-1])  # nothing held back without stop strings
+
+
+def test_textstream_waits_for_incomplete_utf8():
+    class ByteTok:  # decodes ids as raw bytes: an id sequence may end inside a UTF-8 character
+        def decode(self, ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    ts = TextStream(ByteTok())
+    euro = list("€".encode())
+    assert ts.push([ord("a")] + euro[:2]) == "a"
+    assert ts.push(euro[2:]) == "€"
+
+
+# ---- configs and error names ----
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "serve").glob("*.yaml")), ids=lambda p: p.name)
+def test_serve_configs_load(path):
+    cfg = load_serve_config(path)
+    assert cfg.http.host == "127.0.0.1"  # loopback unless the operator opts out
+    assert cfg.decode.buffer_size >= 1
+    if cfg.model.tensor_parallel_size > 1:
+        assert cfg.model.device == "cuda" and cfg.model.num_gpus_per_rank == 1
+
+
+def test_tiny_config_points_at_embedded_model():
+    cfg = load_serve_config(REPO / "configs" / "serve" / "tiny.yaml")
+    assert cfg.model.resolved_path() == REPO / "mbd" / "assets" / "tiny"
+
+
+def test_bad_serve_config_names_the_field(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: {path: x, tensor_parallel_size: 0}\n")
+    with pytest.raises(ConfigError, match="model.tensor_parallel_size"):
+        load_serve_config(p)
+
+
+@pytest.mark.parametrize("loc, want", [
+    (("body", "max_tokens"), "max_tokens"),
+    (("body", "prompt", "str"), "prompt"),
+    (("body", "prompt", "list[int]", 1), "prompt[1]"),
+    (("body", "messages", 0, "role"), "messages[0].role"),
+    (("body",), None),
+])
+def test_field_path(loc, want):
+    assert field_path(loc) == want
+
+
+# ---- EngineHost in-process (TP=1: no Ray needed) ----
+
+
+async def _collect(host: EngineHost, ids: list[int], params: DecodeConfig, n: int | None = None) -> list:
+    out = []
+    async with aclosing(host.generate(ids, params)) as gen:
+        async for d in gen:
+            out.append(d)
+            if n is not None and len(out) == n:
+                break
+    return out
+
+
+def test_engine_host_matches_engine_and_aborts_on_early_exit(ckpt, tok):
+    model, _ = load_checkpoint(ckpt)
+    ids = tok.encode("12+7=")
+    params = DECODE.model_copy(update={"max_new_tokens": 24})
+    want = Engine(model, tok, DECODE, max_batch_slots=2).generate([ids], params)[0]
+    host = EngineHost(ModelSpec(path=str(ckpt), max_batch_slots=2), DECODE)
+    try:
+        deltas = asyncio.run(_collect(host, ids, params))
+        assert [t for d in deltas for t in d.token_ids] == want.token_ids
+        assert deltas[-1].finished and deltas[-1].nfe == want.nfe and deltas[-1].finish_reason == want.finish_reason
+        # leaving after the first block aborts the request inside the engine and frees its slot
+        asyncio.run(_collect(host, ids, DECODE.model_copy(update={"tau_m2t": 1.0}), n=1))
+        for _ in range(200):
+            if host.stats()["in_engine"] == 0 and host.stats()["free_slots"] == 2:
+                break
+            asyncio.run(asyncio.sleep(0.01))
+        s = host.stats()
+        assert (s["streams"], s["aborted"], s["in_engine"], s["free_slots"]) == (0, 1, 0, 2)
+    finally:
+        host.shutdown()
+
+
+def test_engine_host_refuses_bad_request_without_dying(ckpt, tok):
+    host = EngineHost(ModelSpec(path=str(ckpt), max_batch_slots=2), DECODE)
+    try:
+        with pytest.raises(ValueError, match="buffer_size"):
+            host.validate(tok.encode("1+1="), DECODE.model_copy(update={"buffer_size": 3}))
+        with pytest.raises(ValueError, match="mask"):
+            host.validate([special_token_ids()["mask_token_id"]], DECODE)
+        # a request the engine itself refuses fails alone; the loop keeps serving
+        with pytest.raises(ValueError, match="refused"):
+            asyncio.run(_collect(host, [], DECODE))
+        host.check()
+        assert asyncio.run(_collect(host, tok.encode("1+1="), DECODE.model_copy(update={"max_new_tokens": 4})))
+    finally:
+        host.shutdown()
+
+
+def test_engine_loop_death_fails_requests_and_health(ckpt, tok):
+    host = EngineHost(ModelSpec(path=str(ckpt), max_batch_slots=2), DECODE)
+    host._inbox.put(("add", "poison", None, DECODE))  # bypasses validation: the engine raises TypeError
+    host._thread.join(timeout=10)
+    with pytest.raises(EngineDead):
+        host.check()
+    with pytest.raises(EngineDead):
+        asyncio.run(_collect(host, tok.encode("1+1="), DECODE))
