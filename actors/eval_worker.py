@@ -1,0 +1,26 @@
+"""Decoder actor of an evaluation sweep: one per GPU (or a CPU share), holding the current model and engine.
+
+Thin on purpose: planning, decoding and scoring live in mbd.eval.sweep; the actor only keeps an EngineCache
+alive between calls so consecutive units of the same (model, config) reuse the loaded weights and engine.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from mbd.config import DecodeConfig
+from mbd.eval.sweep import Decoded, EngineCache, ModelEntry, decode_prompts
+
+
+@ray.remote
+class EvalWorker:
+    def __init__(self, device: str, batch_size: int, trace: bool, torch_threads: int | None = None):
+        if torch_threads is not None:
+            import torch  # here, not at module level: the driver and the scoring tasks never load torch
+
+            torch.set_num_threads(torch_threads)
+        self.engines = EngineCache(device, batch_size, trace)
+
+    def decode(self, model: ModelEntry, params: DecodeConfig, prompts: list[str],
+               keep_trace: list[bool]) -> list[Decoded]:
+        return decode_prompts(self.engines.get(model, params), prompts, params, keep_trace)

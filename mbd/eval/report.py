@@ -1,0 +1,385 @@
+"""Sweep reports: the paper's tables (tab:main_results, tab:tps_comparison) and plots, from per-problem records.
+
+- Main table: one row per (model, decoding configuration), grouped in sections (the paper groups a base model's
+  SingleBD / MultiBD rows with its MBD-* model); Acc and TPF per benchmark, their means over benchmarks, and
+  the AUP of the row's curve. A curve is a set of configurations of one section (default: all of them); its
+  AUP is `metrics.aup` over the configurations' (TPF, Acc) points per benchmark, averaged over benchmarks
+  (`metrics.mean_aup`), as the paper reports multi-benchmark AUP. A curve of one point has no AUP ("–").
+- Throughput table: average TPF, step latency, TPS per benchmark, gains against the section's first row.
+- Plots (matplotlib, Agg): accuracy vs TPF per benchmark with AUP in the legend, and the
+  fig:train_infer_noise_activity panels C-E from engine traces.
+
+TPS is generated tokens / request latency summed over problems (metrics.summarize), i.e. per-request speed:
+with batch_size 1 it is the paper's single-sample TPS. Step latency is the NFE-weighted mean of the engine's
+per-request step latency (decode forwards only, no prefill, no queueing).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from mbd.eval.benchmarks import Problem
+from mbd.eval.metrics import AupPoint, GenerationRecord, aup, mean_aup, summarize
+from mbd.eval.sweep import ItemRecord, ResultStore, SweepConfig, cells, write_parquet
+
+DISPLAY = {"gsm8k": "GSM8K", "math500": "MATH500", "mbpp_plus": "MBPP+", "humaneval_plus": "HumanEval+",
+           "humaneval": "HumanEval", "tinymath": "tinymath"}
+NONE = "–"
+
+
+class CellMetrics(BaseModel):
+    """Aggregates of one (model, config, benchmark) cell."""
+
+    model: str
+    config: str
+    benchmark: str
+    n: int
+    accuracy: float = Field(description="percent")
+    tpf: float
+    tps: float
+    step_latency_ms: float
+
+
+class Row(BaseModel):
+    model: str
+    config: str
+    section: str
+    curve: str = "all"
+
+    @property
+    def label(self) -> str:
+        return self.config if self.section == self.model else f"{self.model} / {self.config}"
+
+
+class Layout(BaseModel):
+    """Table order: rows (grouped by section in first-appearance order) and benchmark columns."""
+
+    rows: list[Row]
+    benchmarks: list[str]
+
+    @classmethod
+    def from_sweep(cls, cfg: SweepConfig) -> "Layout":
+        return cls(rows=[Row(model=m.name, config=d.name, section=m.table_section, curve=d.curve or "all")
+                         for m, d in cfg.pairs()], benchmarks=[b.name for b in cfg.benchmarks])
+
+    @classmethod
+    def from_cells(cls, metrics: Sequence[CellMetrics]) -> "Layout":
+        """One section per model, one curve per section, in the order the cells come."""
+        rows = list(dict.fromkeys((c.model, c.config) for c in metrics))
+        return cls(rows=[Row(model=m, config=c, section=m) for m, c in rows],
+                   benchmarks=list(dict.fromkeys(c.benchmark for c in metrics)))
+
+    def sections(self) -> dict[str, list[Row]]:
+        out: dict[str, list[Row]] = {}
+        for r in self.rows:
+            out.setdefault(r.section, []).append(r)
+        return out
+
+
+class CurveAUP(BaseModel):
+    section: str
+    curve: str
+    configs: list[str]
+    per_benchmark: dict[str, float | None]
+    mean: float | None
+
+
+class Report(BaseModel):
+    layout: Layout
+    cells: list[CellMetrics]
+    curves: list[CurveAUP]
+    main_table: str
+    aup_table: str
+    tps_table: str
+
+    def markdown(self, title: str = "Evaluation sweep") -> str:
+        counts = {}
+        for b in self.layout.benchmarks:
+            ns = sorted({c.n for c in self.cells if c.benchmark == b})
+            counts[b] = "0" if not ns else str(ns[0]) if len(ns) == 1 else f"{ns[0]}-{ns[-1]}"
+        n_line = ", ".join(f"{DISPLAY.get(b, b)} {n}" for b, n in counts.items())
+        return (f"# {title}\n\nProblems per benchmark: {n_line}.\n\n## Accuracy, TPF and AUP (tab:main_results)\n\n"
+                f"{self.main_table}\n\n## AUP per curve\n\n{self.aup_table}\n\n"
+                f"## Throughput (tab:tps_comparison)\n\n{self.tps_table}\n")
+
+
+# ---------------------------------------------------------------------------------------------- numbers
+
+
+def aggregate(records: Iterable[ItemRecord]) -> list[CellMetrics]:
+    """Per (model, config, benchmark): accuracy (%), TPF (ratio of sums), TPS, step latency; first-seen order."""
+    groups: dict[tuple[str, str, str], list[ItemRecord]] = {}
+    for r in records:
+        groups.setdefault((r.model, r.config, r.benchmark), []).append(r)
+    out = []
+    for (model, config, bench), rs in groups.items():
+        m = summarize([GenerationRecord(correct=r.correct, generated_tokens=r.num_generated, nfe=r.nfe,
+                                        wall_s=r.wall_time_s) for r in rs])
+        nfe = sum(r.nfe for r in rs)
+        lat = sum(r.step_latency_ms * r.nfe for r in rs) / nfe if nfe else 0.0
+        out.append(CellMetrics(model=model, config=config, benchmark=bench, n=m.n, accuracy=m.accuracy, tpf=m.tpf,
+                               tps=m.tps, step_latency_ms=lat))
+    return out
+
+
+def _mean(xs: Sequence[float | None]) -> float | None:
+    return None if not xs or any(x is None for x in xs) else sum(xs) / len(xs)  # type: ignore[arg-type]
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return NONE if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def curve_aups(layout: Layout, by_cell: Mapping[tuple[str, str, str], CellMetrics]) -> list[CurveAUP]:
+    out = []
+    for section, rows in layout.sections().items():
+        for curve in dict.fromkeys(r.curve for r in rows):
+            members = [r for r in rows if r.curve == curve]
+            points: dict[str, list[AupPoint]] = {}
+            per: dict[str, float | None] = {}
+            for b in layout.benchmarks:
+                cs = [by_cell.get((r.model, r.config, b)) for r in members]
+                if len(members) >= 2 and all(c is not None and c.tpf > 0 for c in cs):
+                    points[b] = [AupPoint(tpf=c.tpf, accuracy=c.accuracy) for c in cs]  # type: ignore[union-attr]
+                    per[b] = aup(points[b])
+                else:
+                    per[b] = None
+            mean = mean_aup(points) if points and len(points) == len(layout.benchmarks) else None
+            out.append(CurveAUP(section=section, curve=curve, configs=[r.label for r in members], per_benchmark=per,
+                                mean=mean))
+    return out
+
+
+def build_report(metrics: Sequence[CellMetrics], layout: Layout | None = None) -> Report:
+    layout = layout or Layout.from_cells(metrics)
+    by_cell = {(c.model, c.config, c.benchmark): c for c in metrics}
+    curves = curve_aups(layout, by_cell)
+    curve_of = {(c.section, c.curve): c for c in curves}
+    benches = layout.benchmarks
+    names = [DISPLAY.get(b, b) for b in benches]
+
+    main_rows, aup_rows, tps_rows = [], [], []
+    for section, rows in layout.sections().items():
+        main_rows.append([f"**{section}**"] + [""] * (2 * len(benches) + 3))
+        tps_rows.append([f"**{section}**"] + [""] * (len(benches) + 6))
+        base: tuple[float | None, float | None, float | None] | None = None
+        for r in rows:
+            cs = [by_cell.get((r.model, r.config, b)) for b in benches]
+            acc = [c.accuracy if c else None for c in cs]
+            tpf = [c.tpf if c else None for c in cs]
+            curve = curve_of[(section, r.curve)]
+            main_rows.append([r.label] + [_fmt(x) for pair in zip(acc, tpf) for x in pair]
+                             + [_fmt(_mean(acc)), _fmt(_mean(tpf)), _fmt(curve.mean)])
+            avg_tpf, lat = _mean(tpf), _mean([c.step_latency_ms if c else None for c in cs])
+            tps = [c.tps if c else None for c in cs]
+            avg_tps = _mean(tps)
+            if base is None:
+                base = (avg_tpf, lat, avg_tps)
+                gains = ["--", "1.00×", "--"]
+            else:
+                gains = [_gain(avg_tpf, base[0]), _ratio(lat, base[1]), _gain(avg_tps, base[2])]
+            tps_rows.append([r.label, _fmt(avg_tpf), gains[0], _fmt(lat), gains[1]] + [_fmt(x) for x in tps]
+                            + [_fmt(avg_tps), gains[2]])
+    for c in curves:
+        aup_rows.append([c.section, c.curve, ", ".join(c.configs)] + [_fmt(c.per_benchmark[b]) for b in benches]
+                        + [_fmt(c.mean)])
+    main = _table(["Model"] + [f"{n} {k}" for n in names for k in ("Acc", "TPF")] + ["Avg Acc", "Avg TPF", "AUP"],
+                  main_rows)
+    aup_table = _table(["Section", "Curve", "Configurations"] + [f"{n} AUP" for n in names] + ["Avg AUP"], aup_rows)
+    tps_table = _table(["Model", "Avg TPF", "TPF Gain", "Step Lat. (ms)", "Lat. Cost"] + [f"{n} TPS" for n in names]
+                       + ["Avg TPS", "TPS Gain"], tps_rows)
+    return Report(layout=layout, cells=list(metrics), curves=curves, main_table=main, aup_table=aup_table,
+                  tps_table=tps_table)
+
+
+def _gain(x: float | None, base: float | None) -> str:
+    return NONE if x is None or not base else f"{100 * (x / base - 1):+.2f}%"
+
+
+def _ratio(x: float | None, base: float | None) -> str:
+    return NONE if x is None or not base else f"{x / base:.2f}×"
+
+
+# ------------------------------------------------------------------------------------------ trace stats
+
+
+def active_counts(trace: Sequence[dict]) -> list[int]:
+    """Active blocks (ACTIVE slots of the Block Buffer) at each forward of one request."""
+    return [sum(s == "ACTIVE" for s in e["states"]) for e in trace]
+
+
+def mask_ratios_by_rank(traces: Iterable[Sequence[dict]]) -> list[list[float]]:
+    """Mask ratios as fed to the model, by rank among the active slots (first active slot = rank 0)."""
+    out: list[list[float]] = []
+    for trace in traces:
+        for e in trace:
+            for rank, r in enumerate(x for x in e["mask_ratio"] if x is not None):
+                while len(out) <= rank:
+                    out.append([])
+                out[rank].append(r)
+    return out
+
+
+def activity_profile(traces: Iterable[Sequence[dict]], bins: int = 20) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean and std of the active-block count over normalised decoding progress ((t + 0.5) / T, in `bins`
+    equal bins); empty bins are NaN. Returns (bin centres, mean, std)."""
+    per_bin: list[list[int]] = [[] for _ in range(bins)]
+    for trace in traces:
+        counts = active_counts(trace)
+        for t, k in enumerate(counts):
+            per_bin[min(int((t + 0.5) / len(counts) * bins), bins - 1)].append(k)
+    mean = np.array([np.mean(v) if v else np.nan for v in per_bin])
+    std = np.array([np.std(v) if v else np.nan for v in per_bin])
+    return (np.arange(bins) + 0.5) / bins, mean, std
+
+
+# ------------------------------------------------------------------------------------------------ plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and in Ray workers
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_accuracy_vs_tpf(report: Report, path: str | Path) -> Path:
+    """One panel per benchmark (plus the average when there are several); one line per AUP curve."""
+    plt = _pyplot()
+    layout, by_cell = report.layout, {(c.model, c.config, c.benchmark): c for c in report.cells}
+    panels = layout.benchmarks + (["Average"] if len(layout.benchmarks) > 1 else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for c in report.curves:
+            rows = [r for r in layout.rows if r.section == c.section and r.curve == c.curve]
+            pts = []
+            for r in rows:
+                cs = [by_cell.get((r.model, r.config, b)) for b in layout.benchmarks] if panel == "Average" \
+                    else [by_cell.get((r.model, r.config, panel))]
+                if all(x is not None for x in cs):
+                    pts.append((float(np.mean([x.tpf for x in cs])), float(np.mean([x.accuracy for x in cs])),
+                                r.config))
+            if not pts:
+                continue
+            pts.sort()
+            value = c.mean if panel == "Average" else c.per_benchmark.get(panel)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    label=f"{c.section}: {c.curve} (AUP {_fmt(value)})")
+            for x, y, name in pts:
+                ax.annotate(name, (x, y), fontsize=6, alpha=0.7, textcoords="offset points", xytext=(3, 3))
+        ax.set_title(DISPLAY.get(panel, panel))
+        ax.set_xlabel("TPF")
+        ax.set_ylabel("Accuracy (%)")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_noise_activity(traces: Mapping[str, Sequence[Sequence[dict]]], path: str | Path, samples: int = 6,
+                        seed: int = 0) -> Path:
+    """fig:train_infer_noise_activity C-E, one row per traced (model, config): (C) mask-ratio distribution
+    per active slot, (D) active-block count mean +- std over decoding progress, (E) sampled trajectories."""
+    plt = _pyplot()
+    rows = [(label, [t for t in ts if t]) for label, ts in traces.items()]
+    rows = [(label, ts) for label, ts in rows if ts]
+    if not rows:
+        raise ValueError("no engine traces to plot: run the sweep with trace_problems > 0")
+    fig, axes = plt.subplots(len(rows), 3, figsize=(13, 3.2 * len(rows)), squeeze=False)
+    rng = np.random.default_rng(seed)
+    edges = np.linspace(-0.025, 1.025, 22)  # 21 bins centred on multiples of 0.05 (mask ratios are k / B)
+    centres, width = (edges[:-1] + edges[1:]) / 2, 0.9 * (edges[1] - edges[0])
+    for (label, ts), (c, d, e) in zip(rows, axes):
+        by_rank = mask_ratios_by_rank(ts)
+        for rank, ratios in enumerate(by_rank):  # grouped bars: each active slot's share of forwards per bin
+            share = np.histogram(ratios, bins=edges)[0] / len(ratios)
+            c.bar(centres - width / 2 + (rank + 0.5) * width / len(by_rank), share, width=width / len(by_rank),
+                  label=f"active slot {rank + 1} (n={len(ratios)})")
+        c.set(title=f"(C) {label}: inference mask ratios", xlabel="mask ratio", ylabel="fraction of forwards")
+        c.legend(fontsize=7)
+        x, mean, std = activity_profile(ts)
+        d.plot(x, mean, color="C0")
+        d.fill_between(x, mean - std, mean + std, color="C0", alpha=0.25)
+        d.set(title="(D) active blocks: mean ± std", xlabel="decoding progress", ylabel="active blocks")
+        for i in rng.choice(len(ts), size=min(samples, len(ts)), replace=False):
+            d_counts = active_counts(ts[i])
+            e.step(range(1, len(d_counts) + 1), d_counts, where="mid", alpha=0.8)
+        e.set(title="(E) sampled trajectories", xlabel="forward pass", ylabel="active blocks")
+        for ax in (c, d, e):
+            ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ sweep output
+
+
+class SweepSummary(BaseModel):
+    """What `run_sweep` returns: where the report is, the main table, and the per-cell aggregates."""
+
+    output_dir: str
+    report_path: str
+    parquet_path: str
+    table_markdown: str = Field(description="the tab:main_results-style table")
+    report_markdown: str
+    plots: list[str]
+    cells: list[CellMetrics]
+    decoded: int = Field(description="problems decoded by this run")
+    skipped: int = Field(description="problems found already stored (resume)")
+    wall_s: float
+
+
+def write_sweep_report(cfg: SweepConfig, problems: Mapping[str, Sequence[Problem]], decoded: int = 0,
+                       skipped: int = 0, wall_s: float = 0.0) -> SweepSummary:
+    """Read the sweep's stored records (only the current problem ids of its cells), then write report.md,
+    records.parquet, summary.json and plots/ under the output directory."""
+    store, out = ResultStore(cfg.output_dir), Path(cfg.output_dir)
+    records: list[ItemRecord] = []
+    traces: dict[str, list[list[dict]]] = {}
+    for cell in cells(cfg):
+        ids = [p.problem_id for p in problems[cell.benchmark]]
+        stored = store.load(cell.model.name, cell.decode.name, cell.benchmark)
+        records += [stored[i] for i in ids if i in stored]
+        label = Row(model=cell.model.name, config=cell.decode.name, section=cell.model.table_section).label
+        kept = store.load_traces(cell.model.name, cell.decode.name, cell.benchmark)
+        traces.setdefault(label, []).extend(kept[i] for i in ids if i in kept)
+    report = build_report(aggregate(records), Layout.from_sweep(cfg))
+    report_md = report.markdown(f"Evaluation sweep `{cfg.name}`")
+    report_path = out / "report.md"
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    report_path.write_text(report_md)
+    plots = [str(plot_accuracy_vs_tpf(report, out / "plots" / "accuracy_vs_tpf.png"))]
+    if any(traces.values()):
+        plots.append(str(plot_noise_activity(traces, out / "plots" / "noise_activity.png")))
+    summary = SweepSummary(output_dir=str(out), report_path=str(report_path),
+                           parquet_path=str(write_parquet(records, out / "records.parquet")),
+                           table_markdown=report.main_table, report_markdown=report_md, plots=plots,
+                           cells=report.cells, decoded=decoded, skipped=skipped, wall_s=wall_s)
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary.model_dump(), indent=2))
+    os.replace(tmp, out / "summary.json")
+    return summary

@@ -1,0 +1,409 @@
+"""Evaluation sweeps: models x decoding configurations x benchmarks, as resumable per-problem records.
+
+Pure PyTorch/pydantic (no Ray): `pipelines/eval_sweep.py` fans the units planned here out over decoder actors
+and scores in a CPU pool; `run_items` runs one (model, config, benchmark) cell in-process with the same
+pieces. Every problem's record is appended to a JSONL file as soon as it is scored, so an interrupted sweep
+resumes by skipping the problem ids already stored (a torn last line is dropped, not trusted).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+import mbd.tiny.benchmark  # noqa: F401  (registers `tinymath`)
+from mbd.config import ConfigError, DecodeConfig, StrictModel, load_yaml, validate
+from mbd.eval.benchmarks import Benchmark, Kind, Problem, ScoreResult, get_benchmark, list_benchmarks
+from mbd.eval.prompts import user_prompt
+
+if TYPE_CHECKING:  # torch is imported only where decoding happens: scoring processes stay light
+    from mbd.decoding.engine import Engine
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.=+-]*$"  # names become directory names in the results store
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# A unit of work holds this many batches: continuous batching refills a finished request's slot within a unit,
+# while units stay small enough to balance across workers and to lose little on an interruption.
+BATCHES_PER_UNIT = 4
+
+
+def resolve_path(path: str) -> Path:
+    """`path` as given if it exists (or is absolute), else relative to the repository root, so configs that
+    name `configs/decode/...` or `mbd/assets/tiny` work from any working directory."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+class ModelEntry(StrictModel):
+    name: str = Field(pattern=NAME_PATTERN)
+    path: str = Field(description="checkpoint directory: config.json, *.safetensors, tokenizer.json")
+    section: str | None = Field(None, description="table section (paper: the base model an MBD-* model belongs "
+                                                  "to); default: the model's name")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on CUDA, float32 on CPU")
+
+    @property
+    def table_section(self) -> str:
+        return self.section or self.name
+
+
+class DecodeEntry(StrictModel):
+    """One decoding configuration: a DecodeConfig YAML (one, or one per benchmark kind) plus overrides."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    config: str | dict[Kind, str] = Field(description="configs/decode/*.yaml, or {math: ..., code: ...}")
+    overrides: dict[str, Any] = {}
+    curve: str | None = Field(None, description="AUP curve this configuration is a point of; default: one curve "
+                                                "over all configurations of a table section")
+    models: list[str] | None = Field(None, description="run only with these models (default: every model)")
+
+    def params(self, kind: Kind) -> DecodeConfig:
+        path = self.config if isinstance(self.config, str) else self.config.get(kind)
+        if path is None:
+            raise ConfigError(f"decoding '{self.name}': config has no '{kind}' entry but a {kind} benchmark is "
+                              f"swept; add `{kind}: configs/decode/<file>.yaml`")
+        base = load_yaml(resolve_path(path), DecodeConfig)
+        return validate(DecodeConfig, {**base.model_dump(), **self.overrides}, f"decoding '{self.name}' overrides")
+
+
+class BenchmarkEntry(StrictModel):
+    name: str
+    limit: int | None = Field(None, ge=1, description="first `limit` problems (default: all)")
+
+
+class SweepConfig(StrictModel):
+    """models x decoding configurations x benchmarks (`configs/eval/*.yaml`)."""
+
+    name: str = "sweep"
+    output_dir: str = Field(description="results/, traces/, records.parquet, report.md and plots/ go here")
+    data_dir: str | None = Field(None, description="benchmark data (default: $MBD_DATA_DIR, then ../shared/data)")
+    models: list[ModelEntry] = Field(min_length=1)
+    decoding: list[DecodeEntry] = Field(min_length=1)
+    benchmarks: list[BenchmarkEntry] = Field(min_length=1)
+    batch_size: int = Field(8, ge=1, description="requests decoded together (the engine's max_batch_slots); "
+                                                 "1 gives the paper's single-sample TPS")
+    trace_problems: int = Field(8, ge=0, description="problems per (model, config, benchmark) whose engine "
+                                                     "traces are kept for the noise/activity panels; 0: none")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    workers: int | None = Field(None, ge=1, description="decoder actors (default: one per GPU, else 1)")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per decoder actor (its torch threads on CPU)")
+    cpus_per_scorer: float = Field(1.0, gt=0, description="CPUs per scoring task (code runs in a sandbox)")
+
+    @field_validator("benchmarks", mode="before")
+    @classmethod
+    def _bare_names(cls, v: Any) -> Any:
+        return [{"name": b} if isinstance(b, str) else b for b in v] if isinstance(v, list) else v
+
+    @model_validator(mode="after")
+    def _check(self) -> "SweepConfig":
+        for field, names in (("models", [m.name for m in self.models]), ("decoding", [d.name for d in self.decoding]),
+                             ("benchmarks", [b.name for b in self.benchmarks])):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"{field}: duplicate names {dup}; every entry needs its own name")
+        known = {m.name for m in self.models}
+        for d in self.decoding:
+            unknown = sorted(set(d.models or []) - known)
+            if unknown:
+                raise ValueError(f"decoding '{d.name}': models {unknown} are not in `models` ({sorted(known)})")
+        for b in self.benchmarks:
+            if b.name not in list_benchmarks():
+                raise ValueError(f"benchmarks: unknown benchmark '{b.name}'; registered: {list_benchmarks()}")
+        unused = [m.name for m in self.models if not any(m.name in (d.models or [m.name]) for d in self.decoding)]
+        if unused:
+            raise ValueError(f"models {unused} have no decoding configuration (check `decoding[].models`)")
+        for d in self.decoding:  # load every DecodeConfig now: a bad file fails before any decoding
+            for kind in sorted({get_benchmark(b.name).kind for b in self.benchmarks}):
+                d.params(kind)
+        return self
+
+    def pairs(self) -> list[tuple[ModelEntry, DecodeEntry]]:
+        """The (model, configuration) rows of the sweep, in table order."""
+        return [(m, d) for m in self.models for d in self.decoding if d.models is None or m.name in d.models]
+
+
+def load_sweep(path: str | Path) -> SweepConfig:
+    return load_yaml(path, SweepConfig)
+
+
+# ----------------------------------------------------------------------------------------------- records
+
+
+class Decoded(BaseModel):
+    """What the decoder returns for one prompt."""
+
+    completion: str
+    nfe: int
+    num_generated: int
+    tpf: float
+    wall_time_s: float = Field(description="request latency: admission to finish, prefill included")
+    step_latency_ms: float = Field(description="mean wall time of the decode steps the request took part in")
+    finish_reason: str
+    trace: list[dict] | None = None
+
+
+class ItemRecord(BaseModel):
+    """One problem of one (model, config, benchmark) cell: the completion, its verdict and its decoding cost."""
+
+    model: str
+    config: str
+    benchmark: str
+    problem_id: str
+    completion: str
+    correct: bool
+    nfe: int
+    num_generated: int
+    tpf: float
+    wall_time_s: float
+    step_latency_ms: float
+    finish_reason: str
+    detail: str = ""
+
+
+def make_record(model: str, config: str, problem: Problem, decoded: Decoded, score: ScoreResult) -> ItemRecord:
+    return ItemRecord(model=model, config=config, benchmark=problem.benchmark, problem_id=problem.problem_id,
+                      completion=decoded.completion, correct=score.correct, nfe=decoded.nfe,
+                      num_generated=decoded.num_generated, tpf=decoded.tpf, wall_time_s=decoded.wall_time_s,
+                      step_latency_ms=decoded.step_latency_ms, finish_reason=decoded.finish_reason,
+                      detail=score.detail)
+
+
+def score_completion(benchmark: str, problem: Problem, completion: str) -> ScoreResult:
+    """Score in any process: importing this module registers every built-in benchmark, tinymath included."""
+    return get_benchmark(benchmark).score(problem, completion)
+
+
+class ResultStore:
+    """results/<model>/<config>/<benchmark>.jsonl (one ItemRecord per line, appended per problem) and
+    traces/<model>/<config>/<benchmark>.jsonl ({problem_id, trace} per line) under `root`."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def path(self, model: str, config: str, benchmark: str, kind: str = "results") -> Path:
+        return self.root / kind / model / config / f"{benchmark}.jsonl"
+
+    def load(self, model: str, config: str, benchmark: str) -> dict[str, ItemRecord]:
+        """Stored records by problem id (the last one wins)."""
+        return {r.problem_id: r for r in map(ItemRecord.model_validate,
+                                             self._read(self.path(model, config, benchmark)))}
+
+    def append(self, record: ItemRecord) -> None:
+        self._append(self.path(record.model, record.config, record.benchmark), record.model_dump())
+
+    def append_trace(self, model: str, config: str, benchmark: str, problem_id: str, trace: list[dict]) -> None:
+        self._append(self.path(model, config, benchmark, "traces"), {"problem_id": problem_id, "trace": trace})
+
+    def load_traces(self, model: str, config: str, benchmark: str) -> dict[str, list[dict]]:
+        return {row["problem_id"]: row["trace"] for row in self._read(self.path(model, config, benchmark, "traces"))}
+
+    @staticmethod
+    def _append(path: Path, row: dict) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+    @staticmethod
+    def _read(path: Path) -> list[dict]:
+        if not path.is_file():
+            return []
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):  # torn write of an interrupted run: drop it so appends stay valid
+            data = data[: data.rfind(b"\n") + 1]
+            path.write_bytes(data)
+        rows = []
+        for i, line in enumerate(data.decode("utf-8").splitlines(), 1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{i}: corrupt record ({e}); delete the line to redo that problem") from e
+        return rows
+
+
+def write_parquet(records: Sequence[ItemRecord], path: str | Path) -> Path:
+    """All records of a sweep in one Parquet file (for pandas / DuckDB analysis)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    schema = pa.schema([(k, {bool: pa.bool_(), int: pa.int64(), float: pa.float64()}.get(f.annotation, pa.string()))
+                        for k, f in ItemRecord.model_fields.items()])
+    pq.write_table(pa.Table.from_pylist([r.model_dump() for r in records], schema=schema), path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+
+
+def decode_prompts(engine: Engine, prompts: Sequence[str], params: DecodeConfig,
+                   keep_trace: Sequence[bool] | None = None) -> list[Decoded]:
+    """Decode user prompts (chat-formatted) with continuous batching. A prompt that leaves no room to generate
+    is reported with finish_reason 'prompt_too_long' (and scores as wrong) instead of failing the sweep."""
+    ids = [engine.encode(p) for p in prompts]
+    limit = min(params.max_length, engine.max_length)
+    fits = [i for i, x in enumerate(ids) if len(x) < limit]
+    results = iter(engine.generate([ids[i] for i in fits], params)) if fits else iter(())
+    keep, fit = keep_trace or [False] * len(prompts), set(fits)
+    out = []
+    for i in range(len(prompts)):
+        if i not in fit:
+            out.append(Decoded(completion="", nfe=0, num_generated=0, tpf=0.0, wall_time_s=0.0, step_latency_ms=0.0,
+                               finish_reason="prompt_too_long"))
+            continue
+        r = next(results)
+        out.append(Decoded(completion=r.text, nfe=r.nfe, num_generated=r.num_generated, tpf=r.tpf,
+                           wall_time_s=r.wall_time_s, step_latency_ms=r.step_latency_ms,
+                           finish_reason=r.finish_reason, trace=r.trace if keep[i] else None))
+    return out
+
+
+class EngineCache:
+    """One model's weights and the engine of the last decoding configuration: a worker that goes through a
+    (model, config) group's units loads the weights once per model and builds one engine per configuration."""
+
+    def __init__(self, device: str = "cpu", batch_size: int = 8, trace: bool = False):
+        self.device, self.batch_size, self.trace = device, batch_size, trace
+        self._model: tuple[tuple[str, str], Any] | None = None
+        self._engine: tuple[tuple[str, str, str], Engine] | None = None
+
+    def get(self, model: ModelEntry, params: DecodeConfig) -> Engine:
+        import torch
+
+        from mbd.decoding.engine import Engine
+        from mbd.model import load_checkpoint
+        from mbd.tokenizer import Tokenizer
+
+        mkey = (str(resolve_path(model.path)), model.dtype)
+        ekey = (*mkey, params.model_dump_json())
+        if self._engine is not None and self._engine[0] == ekey:
+            return self._engine[1]
+        self._engine = None
+        if self._model is None or self._model[0] != mkey:
+            self._model = None  # free the previous weights before loading the next
+            dtype = (getattr(torch, model.dtype) if model.dtype != "auto"
+                     else torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32)
+            net, mcfg = load_checkpoint(mkey[0], dtype=dtype, device=self.device)
+            self._model = (mkey, (net, Tokenizer.from_dir(mkey[0], mcfg)))
+        net, tok = self._model[1]
+        engine = Engine(net, tok, params, max_batch_slots=self.batch_size, device=self.device, trace=self.trace)
+        self._engine = (ekey, engine)
+        return engine
+
+
+# -------------------------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: ModelEntry
+    decode: DecodeEntry
+    benchmark: str
+
+
+@dataclass
+class Unit:
+    """Problems of one cell that one decoder call handles."""
+
+    cell: Cell
+    params: DecodeConfig
+    problems: list[Problem]
+    keep_trace: list[bool]
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """Units with the same key run on the same engine."""
+        return self.cell.model.name, self.cell.decode.name, self.params.model_dump_json()
+
+    def prompts(self) -> list[str]:
+        return [user_prompt(p) for p in self.problems]
+
+
+def check_models(models: Iterable[ModelEntry]) -> None:
+    """Fail before any actor starts when a checkpoint directory is incomplete."""
+    for m in models:
+        d = resolve_path(m.path)
+        missing = [f for f in ("config.json", "tokenizer.json") if not (d / f).is_file()]
+        if missing:
+            raise ConfigError(f"model '{m.name}': {d} lacks {', '.join(missing)}; point `path` at a HuggingFace-format "
+                              "checkpoint (for the embedded tiny model run `mbd pretrain-tiny` first)")
+
+
+def cells(cfg: SweepConfig) -> list[Cell]:
+    return [Cell(m, d, b.name) for m, d in cfg.pairs() for b in cfg.benchmarks]
+
+
+def load_problems(cfg: SweepConfig) -> dict[str, list[Problem]]:
+    return {b.name: get_benchmark(b.name).load(cfg.data_dir, b.limit) for b in cfg.benchmarks}
+
+
+def plan_units(cfg: SweepConfig, problems: dict[str, list[Problem]], store: ResultStore) -> tuple[list[Unit], int]:
+    """The units still to decode (stored problem ids are skipped) and the number of problems skipped."""
+    units, skipped, size = [], 0, cfg.batch_size * BATCHES_PER_UNIT
+    for cell in cells(cfg):
+        done = store.load(cell.model.name, cell.decode.name, cell.benchmark)
+        todo = [(i, p) for i, p in enumerate(problems[cell.benchmark]) if p.problem_id not in done]
+        skipped += len(problems[cell.benchmark]) - len(todo)
+        params = cell.decode.params(get_benchmark(cell.benchmark).kind)
+        for s in range(0, len(todo), size):
+            chunk = todo[s: s + size]
+            units.append(Unit(cell, params, [p for _, p in chunk], [i < cfg.trace_problems for i, _ in chunk]))
+    return units, skipped
+
+
+class WorkQueue:
+    """Hands a free worker the next unit of the engine it already holds, else of the group with most problems left,
+    so engines are rebuilt as rarely as possible while every worker stays busy."""
+
+    def __init__(self, units: Iterable[Unit]):
+        self._groups: dict[tuple[str, str, str], deque[Unit]] = {}
+        for u in units:
+            self._groups.setdefault(u.key, deque()).append(u)
+
+    def __len__(self) -> int:
+        return sum(map(len, self._groups.values()))
+
+    def pop(self, prefer: tuple[str, str, str] | None = None) -> Unit | None:
+        if not self._groups:
+            return None
+        key = prefer if prefer in self._groups else max(
+            self._groups, key=lambda k: sum(len(u.problems) for u in self._groups[k]))
+        group = self._groups[key]
+        unit = group.popleft()
+        if not group:
+            del self._groups[key]
+        return unit
+
+
+# -------------------------------------------------------------------------------------------- in-process
+
+
+def run_items(engine: Engine, benchmark: Benchmark, problems: Sequence[Problem], model: str, config: str,
+              params: DecodeConfig | None = None, store: ResultStore | None = None, batch_size: int = 8,
+              trace_problems: int = 0) -> list[ItemRecord]:
+    """Decode and score one (model, config, benchmark) cell in this process; with a store, problems already
+    stored are skipped and each new record is appended as soon as it is scored. Returns the new records."""
+    params = params or engine.cfg
+    done = store.load(model, config, benchmark.name) if store is not None else {}
+    todo = [(i, p) for i, p in enumerate(problems) if p.problem_id not in done]
+    out = []
+    for s in range(0, len(todo), batch_size):
+        chunk = todo[s: s + batch_size]
+        decoded = decode_prompts(engine, [user_prompt(p) for _, p in chunk], params,
+                                 [i < trace_problems for i, _ in chunk])
+        for (_, problem), d in zip(chunk, decoded):
+            record = make_record(model, config, problem, d, benchmark.score(problem, d.completion))
+            if store is not None:
+                store.append(record)
+                if d.trace is not None:
+                    store.append_trace(model, config, benchmark.name, problem.problem_id, d.trace)
+            out.append(record)
+    return out
