@@ -1,0 +1,1 @@
+"""The embedded tiny model's task (tinymath), char-level tokenizer and benchmark."""
