@@ -265,12 +265,17 @@ def tokenize_corpus(path: str, model_path: str, block_size: int,
     return seqs, skipped
 
 
-def absolute_storage(cfg: TrainConfig) -> TrainConfig:
-    """Ray Train wants an absolute storage path (or a URI); relative paths are taken from the driver's cwd."""
-    if "://" in cfg.run.storage_path:
-        return cfg
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """Resolve local paths against the driver's cwd: Ray workers start in their own working directory, and
+    Ray Train wants an absolute storage path. URIs (`scheme://`) are left as they are."""
+    def resolve(p: str | None) -> str | None:
+        return p if p is None or "://" in p else str(Path(p).resolve())
+
     out = cfg.model_copy(deep=True)
-    out.run.storage_path = str(Path(cfg.run.storage_path).resolve())
+    out.run.storage_path = resolve(cfg.run.storage_path)
+    out.model_path = resolve(cfg.model_path)
+    out.data.jsonl = resolve(cfg.data.jsonl)
+    out.data.parquet = resolve(cfg.data.parquet)
     return out
 
 
@@ -334,7 +339,7 @@ def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
     """Run (or resume) a training run on the current Ray cluster (ray.init() if none is connected)."""
     from pipelines.export import export_checkpoint
 
-    cfg = absolute_storage(cfg)
+    cfg = absolute_paths(cfg)
     if not (Path(cfg.model_path) / "config.json").is_file():
         raise ConfigError(f"model_path: {cfg.model_path} has no config.json (an HF-format model directory)")
     mcfg = ModelConfig.from_hf(read_json(Path(cfg.model_path) / "config.json"))
