@@ -1,0 +1,492 @@
+"""`mbd quickstart`: the whole product on the embedded tiny model, on a local Ray cluster, in one command.
+
+    mbd quickstart                                    # configs/quickstart.yaml -> runs/quickstart/
+    mbd quickstart --steps 20 --problems 16 --no-serve --run-dir /tmp/qs
+    mbd quickstart --keep-serving                     # stage 4 keeps the HTTP server up until Ctrl-C
+
+Four stages, each with its own progress display and a wall-time line:
+1. expand: the tinymath TRAIN split (generated from the seed) -> Ray Data -> MultiTF group-layouts (Parquet).
+2. train:  Ray Train, 2 CPU workers, DeepSpeed ZeRO: MultiTF CE post-trains the shipped SingleBD base
+           (mbd/assets/tiny) on those rows -> the tiny MBD model, exported as an HF directory.
+3. eval:   a sweep on the HELD-OUT split: SingleBD (native, base), MultiBD training-free (base) and MBD
+           (MultiBD on the post-trained model); Acc / TPF / TPS / AUP in tab:main_results' layout, plus the
+           accuracy-vs-TPF and fig:train_infer_noise_activity C-E plots.
+4. serve:  Ray Serve starts the MBD model and answers one OpenAI-style chat request on 127.0.0.1.
+
+The run directory is rebuilt on every run (only a directory this command made is reused); the stages call
+the project's own jobs (`run_expand`, `run_train`, `run_sweep`, `build_app`) and add no algorithm of their
+own. Joins the cluster in RAY_ADDRESS or an already connected one, else starts `ray.init(num_cpus=2)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import socket
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import yaml
+from pydantic import BaseModel, Field, model_validator
+
+from mbd.config import ConfigError, DecodeConfig, StrictModel, load_yaml, validate
+from mbd.eval.metrics import AupPoint, aup
+from mbd.eval.report import CellMetrics
+from mbd.eval.sweep import resolve_path
+from mbd.multitf.schedulers import SchedulerConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
+MARKER = ".mbd-quickstart"  # a run directory holding it was made by this command and may be rebuilt
+BENCHMARK = "tinymath"
+STAGES = ("expand", "train", "eval", "serve")
+SINGLEBD, MULTIBD_TF, MBD = "SingleBD (Native)", "MultiBD (training-free)", "MBD-tiny"
+
+
+# ---------------------------------------------------------------- configuration
+
+class CorpusSection(StrictModel):
+    problems: int = Field(default=2000, gt=0, description="tinymath train-split problems expanded and trained on")
+
+
+class ExpandSection(StrictModel):
+    gmax: int = Field(default=4, ge=2)
+    n_rand: int = Field(default=2, ge=0)
+    scheduler: SchedulerConfig = SchedulerConfig()
+    max_length: int = Field(default=128, gt=0, description="padded prompt + response tokens")
+    sequences_per_task: int = Field(default=250, gt=0)
+
+
+class TrainSection(StrictModel):
+    steps: int = Field(default=800, gt=0)
+    num_workers: int = Field(default=2, ge=1)
+    cpus_per_worker: float = Field(default=0.5, gt=0)
+    zero_stage: int = Field(default=2, ge=2, le=3)
+    micro_batch_size: int = Field(default=16, ge=1)
+    grad_accum: int = Field(default=1, ge=1)
+    lr: float = Field(default=1e-3, gt=0)
+    warmup_steps: int = Field(default=20, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    grad_clip: float = Field(default=1.0, ge=0)
+
+
+class EvalSection(StrictModel):
+    problems: int = Field(default=200, gt=0, description="first N problems of the held-out split")
+    singlebd: str = "configs/decode/tiny_singlebd.yaml"
+    multibd: str = "configs/decode/tiny_multibd.yaml"
+    curve: list[dict[str, Any]] = Field(default=[{}, {"tau_m2t": 0.8}, {"tau_m2t": 0.95}], min_length=1,
+                                        description="decode overrides; point 0 is the operating point")
+    batch_size: int = Field(default=16, ge=1)
+    trace_problems: int = Field(default=32, ge=0)
+
+    def points(self, path: str) -> list[DecodeConfig]:
+        """The curve's DecodeConfigs for one decode YAML (fails naming the bad override)."""
+        base = load_yaml(resolve_path(path), DecodeConfig)
+        return [validate(DecodeConfig, {**base.model_dump(), **o}, f"eval.curve[{i}] on {path}")
+                for i, o in enumerate(self.curve)]
+
+
+class ServeSection(StrictModel):
+    enabled: bool = True
+    config: str = "configs/serve/tiny.yaml"
+    port: int = Field(default=0, ge=0, le=65535, description="0: pick a free port")
+    prompt: str | None = Field(default=None, description="None: the first held-out problem")
+    max_tokens: int = Field(default=96, gt=0)
+
+
+class QuickstartConfig(StrictModel):
+    run_dir: str = "runs/quickstart"
+    base_model: str = "mbd/assets/tiny"
+    num_cpus: int = Field(default=2, ge=1)
+    seed: int = Field(default=0, ge=0)
+    corpus: CorpusSection = CorpusSection()
+    expand: ExpandSection = ExpandSection()
+    train: TrainSection = TrainSection()
+    eval: EvalSection = EvalSection()
+    serve: ServeSection = ServeSection()
+
+    @model_validator(mode="after")
+    def _check(self) -> "QuickstartConfig":
+        from mbd.tiny.task import split_size
+
+        if self.corpus.problems > split_size("train"):
+            raise ValueError(f"corpus.problems={self.corpus.problems}: the train split holds {split_size('train')}")
+        if self.eval.problems > split_size("heldout"):
+            raise ValueError(f"eval.problems={self.eval.problems}: the held-out split holds {split_size('heldout')}")
+        for path in (self.eval.singlebd, self.eval.multibd):
+            self.eval.points(path)  # a bad decode file or override fails before any stage runs
+        return self
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> QuickstartConfig:
+    """The YAML with dotted-key overrides applied (e.g. {'train.steps': 20})."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: file not found: {p}")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of QuickstartConfig fields")
+    for key, value in (overrides or {}).items():
+        *parents, leaf = key.split(".")
+        node = data
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    return validate(QuickstartConfig, data, str(p))
+
+
+# ---------------------------------------------------------------- results
+
+class MethodRow(BaseModel):
+    """One row of the tab:main_results-style table: the operating point and the AUP of its curve."""
+
+    method: str
+    model: str
+    config: str
+    n: int
+    accuracy: float
+    tpf: float
+    tps: float
+    aup: float | None
+    curve: list[tuple[float, float]] = Field(description="(TPF, Acc) of every curve point")
+
+
+class ServeReply(BaseModel):
+    url: str
+    prompt: str
+    content: str
+    usage: dict[str, int]
+    mbd: dict[str, Any]
+
+
+class QuickstartSummary(BaseModel):
+    run_dir: str
+    stage_wall_s: dict[str, float]
+    total_wall_s: float
+    rows_out: int
+    layouts_per_sequence: int
+    train_final: dict[str, float]
+    model_dir: str
+    rows: list[MethodRow]
+    table_markdown: str
+    report_path: str
+    plots: list[str]
+    serve: ServeReply | None
+
+
+def method_rows(cells: Sequence[CellMetrics], methods: Sequence[tuple[str, str, Sequence[str]]]) -> list[MethodRow]:
+    """(label, model, point configs) -> rows; the first config is the operating point, AUP spans all points."""
+    by = {(c.model, c.config): c for c in cells if c.benchmark == BENCHMARK}
+    rows = []
+    for label, model, configs in methods:
+        missing = [c for c in configs if (model, c) not in by]
+        if missing:
+            raise RuntimeError(f"the sweep stored no {BENCHMARK} results for {model} / {missing}")
+        pts = [by[(model, c)] for c in configs]
+        curve = [(p.tpf, p.accuracy) for p in pts]
+        area = aup([AupPoint(tpf=t, accuracy=a) for t, a in curve]) if len(pts) > 1 and min(curve)[0] > 0 else None
+        op = pts[0]
+        rows.append(MethodRow(method=label, model=model, config=configs[0], n=op.n, accuracy=op.accuracy,
+                              tpf=op.tpf, tps=op.tps, aup=area, curve=curve))
+    return rows
+
+
+def format_table(rows: Sequence[MethodRow], section: str) -> str:
+    """Markdown in tab:main_results' layout (one benchmark, so its columns are also the average)."""
+    def f(x: float | None, spec: str = ".2f") -> str:
+        return "–" if x is None or not math.isfinite(x) else format(x, spec)
+
+    lines = ["| Model | tinymath Acc ↑ | tinymath TPF ↑ | TPS ↑ | AUP ↑ |", "|:---|---:|---:|---:|---:|",
+             f"| ***{section}*** | | | | |"]
+    lines += [f"| {r.method} | {f(r.accuracy)} | {f(r.tpf)} | {f(r.tps, '.1f')} | {f(r.aup)} |" for r in rows]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- stages
+
+class Stages:
+    """Numbered stage banners and a wall-time line per stage."""
+
+    def __init__(self, names: Sequence[str]):
+        self.names, self.wall_s = list(names), {}
+
+    @contextmanager
+    def run(self, name: str, what: str) -> Iterator[None]:
+        i, n = self.names.index(name) + 1, len(self.names)
+        print(f"\n==> [{i}/{n}] {name}: {what}", flush=True)
+        t0 = time.perf_counter()
+        yield
+        self.wall_s[name] = round(time.perf_counter() - t0, 1)
+        print(f"==> [{i}/{n}] {name}: done, wall time {self.wall_s[name]:.1f} s", flush=True)
+
+
+def prepare_run_dir(path: Path, fresh: bool = True) -> Path:
+    """Create the run directory; a non-empty directory not made by this command is refused (never wiped)."""
+    if path.exists() and any(path.iterdir()) and not (path / MARKER).exists():
+        raise ConfigError(f"run_dir: {path} is not empty and was not made by `mbd quickstart`; "
+                          f"pass another --run-dir or empty it")
+    if fresh and path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / MARKER).touch()
+    return path
+
+
+@contextmanager
+def ray_session(num_cpus: int) -> Iterator[None]:
+    """Reuse a connected Ray, else join RAY_ADDRESS, else start a local cluster; shut down only what we started."""
+    import os
+
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()
+        else:
+            # worker logs stay in /tmp/ray/session_latest/logs: the console shows the stages, bars and results
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def write_corpus(path: Path, problems: int, seed: int) -> Path:
+    from mbd.tiny.task import generate, write_jsonl
+
+    return write_jsonl(path, generate("train", problems, seed))
+
+
+def expand_stage(cfg: QuickstartConfig, corpus: Path, out: Path, base: Path, expand: ExpandSection | None = None):
+    """Ray Data expansion of `corpus` into `out`/rows with `expand` (default: cfg.expand)."""
+    from pipelines.expand_layouts import ExpandConfig, run_expand
+
+    e = expand or cfg.expand
+    summary = run_expand(ExpandConfig(
+        inputs=[str(corpus)], output_dir=str(out), model_dir=str(base), max_length=e.max_length, gmax=e.gmax,
+        n_rand=e.n_rand, scheduler=e.scheduler, seed=cfg.seed, sequences_per_task=e.sequences_per_task))
+    print(f"    {summary.sequences_ok} sequences x {summary.layouts_per_sequence} group-layouts = {summary.rows_out} "
+          f"rows ({summary.rows_per_s:.0f} rows/s) -> {summary.rows_dir}; quarantined {summary.quarantined}")
+    if summary.quarantined:
+        raise RuntimeError(f"expand quarantined {summary.quarantined} tinymath records: {summary.quarantine_reasons}")
+    return summary
+
+
+def train_config(cfg: QuickstartConfig, run: Path, base: Path, rows_dir: str, name: str = "train",
+                 export_dir: Path | None = None, checkpoint_every: int | None = None):
+    """The TrainConfig of a MultiTF post-training run on `rows_dir` (absolute paths: workers run elsewhere)."""
+    from mbd.train_config import TrainConfig
+
+    t, e = cfg.train, cfg.expand
+    return TrainConfig.model_validate({
+        "run": {"name": name, "storage_path": str(run.resolve()), "keep_checkpoints": 1,
+                "export_dir": str((export_dir or run / "mbd-tiny").resolve())},
+        "model_path": str(base.resolve()),
+        "data": {"parquet": str(Path(rows_dir).resolve()), "max_length": e.max_length, "probe_rows": 16},
+        "layouts": {"mode": "multitf", "gmax": e.gmax, "n_rand": e.n_rand, "scheduler": e.scheduler.model_dump()},
+        "objective": {"name": "multitf_ce"},
+        "deepspeed": {"zero_stage": t.zero_stage, "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
+                      "lr": t.lr, "warmup_steps": t.warmup_steps, "min_lr_ratio": t.min_lr_ratio,
+                      "grad_clip": t.grad_clip},
+        "steps": t.steps, "checkpoint_every": checkpoint_every or t.steps, "num_workers": t.num_workers,
+        "cpus_per_worker": t.cpus_per_worker, "seed": cfg.seed,
+    })
+
+
+def train_stage(cfg: QuickstartConfig, run: Path, base: Path, rows_dir: str, progress: bool, **kw: Any):
+    from pipelines.train_multitf import run_train
+
+    summary = run_train(train_config(cfg, run, base, rows_dir, **kw), show_progress=progress)
+    probes = [m["probe_loss"] for m in summary.history if "probe_loss" in m]
+    print(f"    {summary.last_step} steps, loss {summary.final.get('loss', float('nan')):.4f}, probe loss "
+          f"{probes[0]:.4f} -> {probes[-1]:.4f}; MBD model -> {summary.export_dir}")
+    return summary
+
+
+def point_name(key: str, override: dict[str, Any]) -> str:
+    return key + "".join(f".{k}={v}" for k, v in override.items())
+
+
+def sweep_config(cfg: QuickstartConfig, out: Path, models: Sequence[tuple[str, Path]],
+                 methods: Sequence[tuple[str, str, str, str]]):
+    """SweepConfig over `models` (name, path) and `methods` (label, key, decode YAML, model name): one AUP curve
+    per method, its points being `eval.curve` applied to the method's decode YAML."""
+    from mbd.eval.sweep import SweepConfig
+
+    decoding = [{"name": point_name(key, o), "config": str(resolve_path(path)), "overrides": o, "curve": label,
+                 "models": [model]} for label, key, path, model in methods for o in cfg.eval.curve]
+    return SweepConfig.model_validate({
+        "name": out.parent.name, "output_dir": str(out),
+        "models": [{"name": n, "path": str(p), "section": "tiny"} for n, p in models],
+        "decoding": decoding, "benchmarks": [{"name": BENCHMARK, "limit": cfg.eval.problems}],
+        "batch_size": cfg.eval.batch_size, "trace_problems": cfg.eval.trace_problems, "device": "cpu",
+        "workers": 1, "cpus_per_worker": 1, "cpus_per_scorer": 0.5,
+    })
+
+
+def main_methods(cfg: QuickstartConfig) -> list[tuple[str, str, str, str]]:
+    return [(SINGLEBD, "singlebd", cfg.eval.singlebd, "base"), (MULTIBD_TF, "multibd-tf", cfg.eval.multibd, "base"),
+            (MBD, "mbd", cfg.eval.multibd, "mbd-tiny")]
+
+
+def rows_of(cfg: QuickstartConfig, cells: Sequence[CellMetrics],
+            methods: Sequence[tuple[str, str, str, str]]) -> list[MethodRow]:
+    return method_rows(cells, [(label, model, [point_name(key, o) for o in cfg.eval.curve])
+                               for label, key, _, model in methods])
+
+
+def section_title(cfg: QuickstartConfig) -> str:
+    multi = cfg.eval.points(cfg.eval.multibd)[0]
+    return f"tiny sdar (bufsz={multi.buffer_size}, blksz={multi.block_size or 'model'})"
+
+
+def eval_stage(cfg: QuickstartConfig, run: Path, base: Path, mbd_dir: Path, progress: bool):
+    from pipelines.eval_sweep import run_sweep
+
+    methods = main_methods(cfg)
+    summary = run_sweep(sweep_config(cfg, run / "eval", [("base", base), ("mbd-tiny", mbd_dir)], methods),
+                        progress=progress)
+    return summary, rows_of(cfg, summary.cells, methods)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_stage(cfg: QuickstartConfig, model_dir: Path, keep_serving: bool) -> ServeReply:
+    """Deploy the OpenAI-compatible app on loopback, send one chat request, print it, shut Serve down."""
+    from ray import serve
+
+    from mbd.tiny.task import generate
+    from serve_app.app import build_app
+    from serve_app.config import load_serve_config
+
+    scfg = load_serve_config(resolve_path(cfg.serve.config))
+    port = cfg.serve.port or free_port()
+    scfg = scfg.model_copy(update={"model": scfg.model.model_copy(update={"path": str(model_dir.resolve())}),
+                                   "http": scfg.http.model_copy(update={"host": "127.0.0.1", "port": port})})
+    prompt = cfg.serve.prompt or generate("heldout", 1, cfg.seed)[0]["question"]
+    url = f"http://127.0.0.1:{port}{scfg.http.route_prefix.rstrip('/')}/v1"
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app({"serve_config": scfg}), name="mbd-quickstart", route_prefix=scfg.http.route_prefix)
+        body = {"model": scfg.model.name, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": cfg.serve.max_tokens, "temperature": 0}
+        print(f"    POST {url}/chat/completions {json.dumps(body)}", flush=True)
+        headers = {"Content-Type": "application/json"}
+        if scfg.http.api_key:
+            headers["Authorization"] = f"Bearer {scfg.http.api_key}"
+        req = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(body).encode(), headers=headers)
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            data = json.loads(resp.read())
+        reply = ServeReply(url=url, prompt=prompt, content=data["choices"][0]["message"]["content"],
+                           usage=data["usage"], mbd={k: v for k, v in data["mbd"].items() if k != "token_ids"})
+        print(f"    reply: {reply.content!r}\n    usage: {reply.usage}; decoding: {reply.mbd}", flush=True)
+        if keep_serving:
+            print(f"    serving '{scfg.model.name}' at {url} (OpenAI API); Ctrl-C to stop", flush=True)
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                print("    stopping", flush=True)
+        return reply
+    finally:
+        serve.shutdown()
+
+
+def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False, progress: bool = True) -> QuickstartSummary:
+    """All four stages; writes <run_dir>/quickstart.json and quickstart.md and returns the summary."""
+    t0 = time.perf_counter()
+    base = resolve_path(cfg.base_model)
+    if not (base / "config.json").is_file():
+        raise ConfigError(f"base_model: {cfg.base_model} has no config.json (train it with `mbd pretrain-tiny`)")
+    run = prepare_run_dir(Path(cfg.run_dir))
+    stages = Stages(STAGES if cfg.serve.enabled else STAGES[:3])
+    reply = None
+    with ray_session(cfg.num_cpus):
+        import ray
+
+        ray.data.DataContext.get_current().enable_progress_bars = progress
+        with stages.run("expand", f"Ray Data: {cfg.corpus.problems} train-split problems -> MultiTF group-layouts"):
+            corpus = write_corpus(run / "corpus" / "train.jsonl", cfg.corpus.problems, cfg.seed)
+            expanded = expand_stage(cfg, corpus, run / "layouts", base)
+        with stages.run("train", f"Ray Train + DeepSpeed ZeRO-{cfg.train.zero_stage}, {cfg.train.num_workers} "
+                                 f"workers, {cfg.train.steps} MultiTF steps on the shipped base"):
+            trained = train_stage(cfg, run, base, expanded.rows_dir, progress)
+        mbd_dir = Path(trained.export_dir)
+        with stages.run("eval", f"{cfg.eval.problems} held-out problems: SingleBD / MultiBD training-free / MBD, "
+                                f"{len(cfg.eval.curve)} points per AUP curve"):
+            swept, rows = eval_stage(cfg, run, base, mbd_dir, progress)
+        if cfg.serve.enabled:
+            with stages.run("serve", "Ray Serve: the MBD model answers one OpenAI-style request"):
+                reply = serve_stage(cfg, mbd_dir, keep_serving)
+    table = format_table(rows, section_title(cfg))
+    summary = QuickstartSummary(
+        run_dir=str(run), stage_wall_s=stages.wall_s, total_wall_s=round(time.perf_counter() - t0, 1),
+        rows_out=expanded.rows_out, layouts_per_sequence=expanded.layouts_per_sequence, train_final=trained.final,
+        model_dir=str(mbd_dir), rows=rows, table_markdown=table, report_path=swept.report_path, plots=swept.plots,
+        serve=reply)
+    (run / "quickstart.json").write_text(summary.model_dump_json(indent=2))
+    (run / "quickstart.md").write_text(f"# mbd quickstart\n\n{table}\n\nWall time per stage (s): "
+                                       f"{json.dumps(stages.wall_s)}; total {summary.total_wall_s} s.\n")
+    return summary
+
+
+def print_summary(s: QuickstartSummary) -> None:
+    print(f"\n{s.table_markdown}\n")
+    print("wall time per stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in s.stage_wall_s.items())
+          + f"; total {s.total_wall_s:.1f} s")
+    print(f"artefacts in {s.run_dir}/:\n  MBD model (HF):   {s.model_dir}\n  eval report:      {s.report_path}")
+    for p in s.plots:
+        print(f"  plot:             {p}")
+    print(f"  summary:          {s.run_dir}/quickstart.json, {s.run_dir}/quickstart.md")
+
+
+# ---------------------------------------------------------------- CLI
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mbd quickstart", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="QuickstartConfig YAML")
+    ap.add_argument("--run-dir", help="override run_dir (default runs/quickstart)")
+    ap.add_argument("--steps", type=int, help="override train.steps")
+    ap.add_argument("--problems", type=int, help="override eval.problems (held-out problems per method)")
+    ap.add_argument("--corpus", type=int, help="override corpus.problems (train-split problems expanded)")
+    ap.add_argument("--base-model", help="override base_model (an HF-format BD-LM directory)")
+    ap.add_argument("--no-serve", action="store_true", help="skip stage 4 (Ray Serve)")
+    ap.add_argument("--keep-serving", action="store_true", help="keep the HTTP server up after the request")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars (log-friendly)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    overrides = {k: v for k, v in {"run_dir": args.run_dir, "train.steps": args.steps, "eval.problems": args.problems,
+                                   "corpus.problems": args.corpus, "base_model": args.base_model}.items()
+                 if v is not None}
+    if args.no_serve:
+        overrides["serve.enabled"] = False
+    try:
+        cfg = load_config(args.config, overrides)
+        if args.keep_serving and not cfg.serve.enabled:
+            raise ConfigError("--keep-serving needs the serve stage (drop --no-serve / set serve.enabled: true)")
+        summary = run_quickstart(cfg, keep_serving=args.keep_serving, progress=not args.no_progress)
+    except ConfigError as e:
+        print(f"mbd quickstart: {e}", file=sys.stderr)
+        return 2
+    print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
