@@ -45,7 +45,8 @@ class Reference:
         self.device = next(model.parameters()).device
         self._stop_t = torch.tensor(sorted(self.stop_ids), device=self.device)
 
-    def start(self, prompt: list[int]) -> tuple[RequestParams, list[int], KVCache | None]:
+    def start(self, prompt: list[int]) -> tuple[RequestParams, list[int], KVCache | None, torch.Tensor]:
+        """Prefill the block-aligned prompt part; the first block holds the prompt tail then masks."""
         p = RequestParams.resolve(self.cfg, len(prompt), self.max_length)
         aligned = len(prompt) // self.block * self.block
         cache = None
@@ -55,7 +56,9 @@ class Reference:
             if aligned:
                 self.forward(prompt[:aligned], [], cache)
                 cache.commit(0, aligned)
-        return p, prompt[:aligned], cache
+        tail = prompt[aligned:]
+        first = torch.tensor([tail + [self.mask_id] * (self.block - len(tail))], device=self.device)
+        return p, prompt[:aligned], cache, first
 
     def forward(self, committed: list[int], running: list[int] | torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         """Logits of the `running` tokens placed after `committed` (with a cache: `committed` is in it)."""
@@ -114,10 +117,8 @@ class NaiveMultiBD(Reference):
     def generate(self, prompt_ids: Sequence[int]) -> ReferenceResult:
         prompt = list(prompt_ids)
         B, dev = self.block, self.device
-        p, committed, cache = self.start(prompt)
+        p, committed, cache, running = self.start(prompt)  # running: the running-set R_s
         gen = self.generator(p)
-        tail = prompt[len(committed):]
-        running = torch.tensor([tail + [self.mask_id] * (B - len(tail))], device=dev)  # the running-set R_s
         n_tc, nfe, eos_committed, active_counts = 0, 0, False, []
         while True:
             n = running.shape[1] // B

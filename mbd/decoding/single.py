@@ -20,10 +20,8 @@ class SingleBD(Reference):
     def generate(self, prompt_ids: Sequence[int]) -> ReferenceResult:
         prompt = list(prompt_ids)
         B, dev = self.block, self.device
-        p, committed, cache = self.start(prompt)
+        p, committed, cache, block = self.start(prompt)
         gen = self.generator(p)
-        tail = prompt[len(committed):]
-        block = torch.tensor([tail + [self.mask_id] * (B - len(tail))], device=dev)
         nfe = 0
         while True:
             start, final = len(committed), False
