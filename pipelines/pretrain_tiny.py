@@ -95,11 +95,7 @@ def load_pretrain_config(path: Path, overrides: Sequence[str], steps: int | None
         data["seed"] = seed
     if isinstance(data.get("train"), dict):
         data["train"]["seed"] = data.get("seed", 0)  # one seed for corpus, init and training rows
-    cfg = validate(PretrainConfig, data, str(path))
-    # Ray Train workers run in their own working directory: hand them absolute paths.
-    cfg.train.model_path = str(Path(cfg.train.model_path).resolve())
-    cfg.train.data.jsonl = str(Path(cfg.train.data.jsonl).resolve())
-    return cfg
+    return validate(PretrainConfig, data, str(path))
 
 
 def pretrain(cfg: PretrainConfig, out: Path, show_progress: bool = True) -> dict:
