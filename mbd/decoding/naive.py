@@ -43,7 +43,6 @@ class Reference:
         self.policy = policy_for(cfg.strategy)(self.block, self.mask_id)
         self.stop_ids = set(stop_ids)
         self.device = next(model.parameters()).device
-        self._stop_t = torch.tensor(sorted(self.stop_ids), device=self.device)
 
     def start(self, prompt: list[int]) -> tuple[RequestParams, list[int], KVCache | None, torch.Tensor]:
         """Prefill the block-aligned prompt part; the first block holds the prompt tail then masks."""

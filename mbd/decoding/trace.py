@@ -20,19 +20,6 @@ def step_entry(states: list[int], masked: list[int], prefix_len: int, block: int
     }
 
 
-def block_histories(trace: list[dict], aligned_prompt: int, block: int) -> dict[int, list[str]]:
-    """Per generated block index, its state at every forward (IN_CACHE once committed, DUMMY before)."""
-    out: dict[int, list[str]] = {}
-    n_blocks = max((e["prefix_len"] - aligned_prompt) // block + len(e["states"]) for e in trace) if trace else 0
-    for e in trace:
-        first = (e["prefix_len"] - aligned_prompt) // block
-        for k in range(n_blocks):
-            j = k - first
-            state = "IN_CACHE" if j < 0 else (e["states"][j] if j < len(e["states"]) else "DUMMY")
-            out.setdefault(k, []).append(state)
-    return out
-
-
 def summarize(traces: list[list[dict]]) -> dict:
     """Active-block-count histogram and mean mask ratio per active-slot rank over many requests' traces."""
     counts: Counter[int] = Counter()

@@ -28,19 +28,19 @@ class CausalLMBase(nn.Module):
             self.lm_head.weight = self.model.embedding.weight
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask,
-                cache: KVCache | None = None, cache_rows: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache | None = None) -> torch.Tensor:
         h = self.model.embedding(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.cfg.rotary_dim, self.cfg.rope_theta, h.dtype)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, mask, cache, i, position_ids, cache_rows)
+            h = layer(h, cos, sin, mask, cache, i, position_ids)
         return self.lm_head(self.model.norm(h))
 
 
 def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cache: KVCache | None,
-                   layer: int, pos: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+                   layer: int, pos: torch.Tensor) -> torch.Tensor:
     """q [b,h,n,d], k/v [b,kvh,n,d]; with a cache, k/v are written at `pos` and attention runs over the row."""
     if cache is not None:
-        cache.write(layer, k, v, pos, rows)
-        k, v = cache.read(layer, rows)
+        cache.write(layer, k, v, pos)
+        k, v = cache.read(layer)
     o = attend(q, k, v, mask)
     return o.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)

@@ -46,19 +46,15 @@ class KVCache:
     def rows(self) -> int:
         return self.k.shape[1]
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | None):
-        """Scatter k/v [b, kvh, n, d] to absolute positions pos [b, n] of `rows` (None: all rows, in order)."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Scatter k/v [b, kvh, n, d] of every row (in order) to absolute positions pos [b, n]."""
         idx = pos.clamp(max=self.size - 1).view(pos.shape[0], 1, -1, 1).expand(-1, k.shape[1], -1, k.shape[3])
-        if rows is None:
-            self.k[layer].scatter_(2, idx, k)
-            self.v[layer].scatter_(2, idx, v)
-        else:
-            self.k[layer, rows] = self.k[layer, rows].scatter(2, idx, k)
-            self.v[layer, rows] = self.v[layer, rows].scatter(2, idx, v)
+        self.k[layer].scatter_(2, idx, k)
+        self.v[layer].scatter_(2, idx, v)
 
-    def read(self, layer: int, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V [b, kvh, span, d] of `rows` (None: all rows): the key range a mask over `span` keys addresses."""
-        k, v = (self.k[layer], self.v[layer]) if rows is None else (self.k[layer, rows], self.v[layer, rows])
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [b, kvh, span, d] of every row: the key range a mask over `span` keys addresses."""
+        k, v = self.k[layer], self.v[layer]
         if self.span == self.size:
             return k, v
         return k[:, :, : self.span], v[:, :, : self.span]

@@ -21,12 +21,6 @@ class TPGroup:
     world: int = 1
     group: object | None = None
 
-    @classmethod
-    def from_env(cls) -> "TPGroup":
-        if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size(), None)
-        return cls()
-
     def split(self, n: int, what: str) -> int:
         if n % self.world:
             raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={self.world}")

@@ -103,12 +103,6 @@ def build_layout(spec: LayoutSpec, num_blocks: int, first_block: int, gmax: int,
     return random_layout(num_blocks, first_block, gmax, rng)
 
 
-def group_sizes(block_group: np.ndarray) -> np.ndarray:
-    """Sizes of noise-groups 0..n-1 (clean blocks, id -1, are not counted)."""
-    ids = np.asarray(block_group)
-    return np.bincount(ids[ids >= 0]).astype(np.int64)
-
-
 def groups(block_group: np.ndarray) -> list[np.ndarray]:
     """Block indices of each noise-group H_m, in order."""
     ids = np.asarray(block_group)

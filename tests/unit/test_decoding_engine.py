@@ -12,12 +12,24 @@ import torch
 from mbd.config import DecodeConfig
 from mbd.decoding import Engine, NaiveMultiBD, SingleBD
 from mbd.decoding.runner import span_bucket
-from mbd.decoding.trace import block_histories, summarize
+from mbd.decoding.trace import summarize
 from mbd.model import KVCache, build_model
 from mbd.model.layers import attend
 from mbd.model.masks import block_causal_dense, decode_block_mask
 from tests.conftest import tiny_cfg
 
+
+def block_histories(trace: list[dict], aligned_prompt: int, block: int) -> dict[int, list[str]]:
+    """Per generated block index, its state at every forward (IN_CACHE once committed, DUMMY before)."""
+    out: dict[int, list[str]] = {}
+    n_blocks = max((e["prefix_len"] - aligned_prompt) // block + len(e["states"]) for e in trace) if trace else 0
+    for e in trace:
+        first = (e["prefix_len"] - aligned_prompt) // block
+        for k in range(n_blocks):
+            j = k - first
+            state = "IN_CACHE" if j < 0 else (e["states"][j] if j < len(e["states"]) else "DUMMY")
+            out.setdefault(k, []).append(state)
+    return out
 
 
 PROMPTS = [list(range(3, 13)), list(range(20, 28)), [5, 9, 2], list(range(30, 47))]  # tails 2, 0, 3, 1

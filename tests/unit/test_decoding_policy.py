@@ -39,7 +39,7 @@ class ScriptedModel(nn.Module):
         self.mask_logit = mask_logit
         self.calls = 0
 
-    def forward(self, input_ids, position_ids, mask, cache=None, cache_rows=None):
+    def forward(self, input_ids, position_ids, mask, cache=None):
         self.calls += 1
         pos = position_ids.clamp(max=len(self.tok) - 1)
         logits = torch.zeros(*input_ids.shape, V)

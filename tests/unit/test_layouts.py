@@ -6,7 +6,6 @@ import pytest
 from mbd.multitf.corrupt import ROW_SCHEMA, expand_sequence
 from mbd.multitf.layouts import (
     first_response_block,
-    group_sizes,
     groups,
     layout_specs,
     num_layouts,
@@ -14,6 +13,12 @@ from mbd.multitf.layouts import (
     systematic_layout,
 )
 from mbd.multitf.schedulers import SchedulerConfig, build_scheduler
+
+
+def group_sizes(block_group: np.ndarray) -> np.ndarray:
+    """Sizes of noise-groups 0..n-1 (clean blocks, id -1, are not counted)."""
+    ids = np.asarray(block_group)
+    return np.bincount(ids[ids >= 0]).astype(np.int64)
 
 
 def boundary_set_layout(k_resp: int, g: int, h: int) -> list[list[int]]:

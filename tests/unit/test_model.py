@@ -9,8 +9,21 @@ from safetensors.torch import save_file
 
 from mbd.model import CheckpointError, KVCache, build_model, load_checkpoint, save_checkpoint
 from mbd.model.layers import attend
-from mbd.model.masks import block_causal_block_mask, block_causal_dense
+from mbd.model.masks import block_causal_dense
 from tests.conftest import tiny_cfg
+
+
+def block_causal_block_mask(q_pos: torch.Tensor, kv_len: int, visible: torch.Tensor, block_size: int):
+    """The same rule as `block_causal_dense`, as a FlexAttention mask_mod (the generic create_block_mask path)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, n = q_pos.shape
+
+    def mask_mod(bi, h, qi, ki):
+        p = q_pos[bi, qi]
+        return ((ki < visible[bi]) & (ki // block_size <= p // block_size)) | (ki == p)
+
+    return create_block_mask(mask_mod, b, None, n, kv_len, device=q_pos.device)
 
 
 @pytest.mark.parametrize("n,block", [(16, 4), (40, 8), (33, 4), (128, 32)])
