@@ -52,6 +52,10 @@ class Tokenizer:
         # A chat turn ends with its end-of-turn token: generation may stop on it as well as on EOS.
         end = tok.token_to_id("<|im_end|>" if family == "sdar" else "<|role_end|>")
         self.stop_token_ids = sorted({eos_token_id} | ({end} if end is not None else set()))
+        # Texts that encode to a special token: the added special tokens and the mask/EOS/pad tokens.
+        specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+        specials |= {tok.id_to_token(i) for i in (mask_token_id, eos_token_id, pad_token_id)} - {None}
+        self.special_texts = tuple(sorted(specials))
 
     @classmethod
     def from_dir(cls, path: str | Path, cfg: ModelConfig) -> "Tokenizer":
@@ -70,6 +74,10 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def special_text_in(self, text: str) -> str | None:
+        """The first special token's text that occurs in `text` (it would encode to that token), else None."""
+        return next((t for t in self.special_texts if t in text), None)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -14,7 +14,10 @@ Stages:
    the file is not lost); Parquet with `read_parquet`, each row serialised to JSON.
 2. tokenize (`map_batches`, pyarrow): chat template (`Tokenizer.render_chat` + generation prompt),
    response ids + EOS, pad with the pad token to a multiple of B. Bad records get a `reason`:
-   undecodable | invalid_schema | empty_response | too_long (padded length > max_length).
+   undecodable | invalid_schema | empty_response | invalid_unicode (lone surrogates: text no tokenizer
+   can encode) | special_token_text (a special token's text, e.g. the mask token, in the prompt or the
+   response: it would become that token in the training targets) | unencodable (the tokenizer failed) |
+   too_long (padded length > max_length).
 3. expand (`map_batches`, pyarrow): ONE input row -> |Lambda| output rows. map_batches may return a
    different number of rows than it receives; that is intended here.
 4. write: rows to `<output_dir>/rows/*.parquet`, bad records (reason, source, record) to
@@ -184,8 +187,19 @@ def tokenize_record(text: str, tok: Tokenizer, block_size: int, max_length: int)
     except json.JSONDecodeError as e:
         raise BadRecord("undecodable", f"not valid JSON: {e}") from e
     context, response = parse_record(record)
-    prompt = tok.encode(tok.render_chat(context, add_generation_prompt=True))
-    answer = tok.encode(response) + [tok.eos_token_id]
+    texts = [("response", response)] + [(f"prompt message {i}", m["content"]) for i, m in enumerate(context)]
+    for where, t in texts:
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadRecord("invalid_unicode", f"the {where} is not valid Unicode ({e.reason} at {e.start})") from None
+        if (special := tok.special_text_in(t)) is not None:
+            raise BadRecord("special_token_text", f"the {where} contains the special token text {special!r}")
+    try:
+        prompt = tok.encode(tok.render_chat(context, add_generation_prompt=True))
+        answer = tok.encode(response) + [tok.eos_token_id]
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exceptions
+        raise BadRecord("unencodable", f"the tokenizer failed: {type(e).__name__}: {str(e)[:200]}") from None
     total = len(prompt) + len(answer)
     padded = math.ceil(total / block_size) * block_size
     if padded > max_length:
@@ -206,7 +220,8 @@ def tokenize_batch(batch: pa.Table, *, model_dir: str, block_size: int, max_leng
             reason, kept = None, None
         except BadRecord as e:
             seq_id, ids, p_len, r_len = -1, [], 0, 0
-            reason, kept = e.reason, f"{e}; record: {(text or '')[:QUARANTINE_RECORD_CHARS]}"
+            record = (text or "")[:QUARANTINE_RECORD_CHARS].encode("utf-8", "backslashreplace").decode("utf-8")
+            reason, kept = e.reason, f"{e}; record: {record}"
         for name, value in zip(TOKENIZED_SCHEMA.names, (seq_id, ids, p_len, r_len, reason, source, kept)):
             out[name].append(value)
     return pa.table(out, schema=TOKENIZED_SCHEMA)
