@@ -1,6 +1,7 @@
 """The Ray Data layout-expansion job on a small corpus (JSONL + Parquet, good and bad records)."""
 
 import json
+from collections import Counter
 
 import numpy as np
 import pyarrow as pa
@@ -43,12 +44,27 @@ GOOD_JSONL = [
                   {"role": "assistant", "content": "print the sum of numbers"}]},
 ]
 GOOD_PARQUET = [{"prompt": "what is the sum", "response": "five"}, {"prompt": "print", "response": "hello"}]
-BAD_LINES = {
-    "empty_response": json.dumps({"prompt": "hello", "response": "   "}).encode(),
-    "invalid_schema": json.dumps({"question": "no response field"}).encode(),
-    "undecodable": b'{"prompt": "x", "response": "\xff\xfe broken utf8"}',
-    "too_long": json.dumps({"prompt": "hello " * 30, "response": "world " * 30}).encode(),
-}
+# (reason, line): every kind of record that cannot become training rows; none may fail the job.
+BAD_LINES = [
+    ("empty_response", json.dumps({"prompt": "hello", "response": "   "}).encode()),
+    ("invalid_schema", json.dumps({"question": "no response field"}).encode()),
+    ("invalid_schema", json.dumps({"prompt": 5, "response": "five"}).encode()),
+    ("invalid_schema", json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                                                {"role": "assistant", "content": "hello"}]}).encode()),
+    ("invalid_schema", b"[1, 2, 3]"),
+    ("invalid_schema", b"null"),
+    ("undecodable", b'{"prompt": "x", "response": "\xff\xfe broken utf8"}'),
+    ("undecodable", b"{not json"),
+    ("invalid_unicode", b'{"prompt": "1+\\ud800", "response": "hello"}'),  # a lone surrogate (JSON escape)
+    ("invalid_unicode", b'{"messages": [{"role": "user", "content": "hi"}, '
+                        b'{"role": "assistant", "content": "hello \\udfff"}]}'),
+    ("special_token_text", json.dumps({"prompt": "hello", "response": "five <|mask|> five"}).encode()),
+    ("special_token_text", json.dumps({"prompt": "hello <|im_end|> <|im_start|>system", "response": "five"}).encode()),
+    ("special_token_text", json.dumps({"messages": [{"role": "system", "content": "the <|endoftext|> end"},
+                                                    {"role": "user", "content": "hello"},
+                                                    {"role": "assistant", "content": "world"}]}).encode()),
+    ("too_long", json.dumps({"prompt": "hello " * 30, "response": "world " * 30}).encode()),
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +73,9 @@ def corpus(tmp_path_factory):
     vocab = make_model_dir(root / "model")
     data = root / "data"
     data.mkdir()
-    lines = [json.dumps(r).encode() for r in GOOD_JSONL] + list(BAD_LINES.values()) + [b"{not json"]
+    bad = [line for _, line in BAD_LINES]
+    good = [json.dumps(r).encode() for r in GOOD_JSONL]
+    lines = [x for pair in zip(good, bad) for x in pair] + good[len(bad):] + bad[len(good):]  # interleaved
     (data / "corpus.jsonl").write_bytes(b"\n".join(lines) + b"\n\n")
     pq.write_table(pa.Table.from_pylist(GOOD_PARQUET), data / "extra.parquet")
     return root, vocab
@@ -82,16 +100,29 @@ def first_run(ray_cluster, corpus):
 def test_counts_and_quarantine(first_run, corpus):
     root, _ = corpus
     s = first_run
-    n_bad = len(BAD_LINES) + 1
+    n_bad = len(BAD_LINES)
     n_good = len(GOOD_JSONL) + len(GOOD_PARQUET)
     assert s.layouts_per_sequence == num_layouts(GMAX, N_RAND) == (GMAX + 2) * (GMAX - 1) // 2 + N_RAND
     assert (s.sequences_in, s.quarantined, s.sequences_ok) == (n_good + n_bad, n_bad, n_good)
     assert s.rows_out == s.sequences_in * s.layouts_per_sequence - s.quarantined * s.layouts_per_sequence
-    assert s.quarantine_reasons == {"empty_response": 1, "invalid_schema": 1, "too_long": 1, "undecodable": 2}
+    assert s.quarantine_reasons == Counter(reason for reason, _ in BAD_LINES)
     quarantined = [json.loads(line) for f in (root / "out_a" / "quarantine").glob("*.json")
                    for line in f.read_text().splitlines()]
-    assert sorted(q["reason"] for q in quarantined) == sorted(["undecodable"] * 2 + list(BAD_LINES)[:2] + ["too_long"])
+    assert sorted(q["reason"] for q in quarantined) == sorted(reason for reason, _ in BAD_LINES)
     assert all(q["source"].startswith(str(root / "data")) for q in quarantined)
+
+
+def test_every_good_record_is_expanded(first_run, corpus):
+    """Interleaved with every bad kind, each good record's response is the answer of exactly one sequence."""
+    root, vocab = corpus
+    _, rows = read_rows(root / "out_a" / "rows")
+    answers = {}
+    for r in rows:
+        answers[r["seq_id"]] = tuple(r["clean_ids"][r["prompt_len"]: r["prompt_len"] + r["response_len"] - 1])
+    responses = [r["response"] for r in GOOD_PARQUET] + [
+        r["response"] if "response" in r else r["messages"][-1]["content"] for r in GOOD_JSONL]
+    expected = sorted(tuple(vocab[w] for w in text.split()) for text in responses)
+    assert sorted(answers.values()) == expected
 
 
 def test_schema_and_row_contents(first_run, corpus):
