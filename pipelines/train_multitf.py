@@ -47,6 +47,7 @@ from ray.data.collate_fn import NumpyBatchCollateFn
 from mbd.config import ConfigError, ModelConfig, read_json, validate
 from mbd.multitf.batching import Batch, OnTheFlyRows, StepSampler, TokenizedSequence, collate, rows_to_columns
 from mbd.multitf.objectives import compute_objective, loss_stats, stats_metrics, stats_size
+from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
 from mbd.train_config import TrainConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -255,8 +256,6 @@ def tokenize_corpus(path: str, model_path: str, block_size: int,
     """JSONL records -> tokenized sequences exactly as `mbd expand` tokenizes them; bad records are skipped and
     counted per reason (an over-long record is left out, never truncated: a cut answer would teach the model to
     stop mid-answer)."""
-    from pipelines.expand_layouts import BadRecord, load_tokenizer, tokenize_record
-
     tok, _ = load_tokenizer(model_path)
     seqs: list[TokenizedSequence] = []
     skipped: dict[str, int] = {}

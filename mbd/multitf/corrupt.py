@@ -19,7 +19,7 @@ randomness is keyed by (seed, seq_id, epoch, layout_index) through `rng.generato
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,22 +27,28 @@ from mbd.multitf.layouts import build_layout, first_response_block, layout_specs
 from mbd.multitf.rng import Purpose, generator
 from mbd.multitf.schedulers import NoiseScheduler
 
-# field -> (Arrow-style dtype, meaning); L = padded length (a multiple of B), K = L / B blocks.
-ROW_SCHEMA: dict[str, tuple[str, str]] = {
-    "seq_id": ("int64", "stable id of the clean sequence; keys the random streams"),
-    "epoch": ("int32", "expansion epoch; a new epoch draws fresh layouts and noise"),
-    "layout_index": ("int32", "index in Lambda: systematic (g, h) ascending, then random layouts"),
-    "layout_kind": ("string", "'systematic' or 'random'"),
-    "g": ("int32", "noise-group size of a systematic layout; -1 for a random layout"),
-    "h": ("int32", "shift of a systematic layout; -1 for a random layout"),
-    "noisy_ids": ("list<int32>[L]", "x_t: clean_ids with the sampled positions set to the mask token"),
-    "clean_ids": ("list<int32>[L]", "x_0: prompt + response + EOS, then block-alignment pad tokens up to L"),
-    "block_group": ("list<int32>[K]", "noise-group id per block; -1 = clean prompt block"),
-    "block_ratio": ("list<float32>[K]", "mask ratio t per block; 0 for clean blocks"),
-    "prompt_len": ("int32", "prompt tokens (chat template applied)"),
-    "response_len": ("int32", "response tokens including the appended EOS"),
-    "total_len": ("int32", "L: prompt + response + block-alignment pads, all real (attended) tokens; "
-                           "the training targets are prompt_len <= p < total_len"),
+class RowField(NamedTuple):
+    dtype: str  # numpy dtype name, or "str"
+    per: str  # "" for a scalar; "L" (per token) or "K" (per block) for a list of that length
+    meaning: str
+
+
+# L = padded length (a multiple of B), K = L / B blocks.
+ROW_SCHEMA: dict[str, RowField] = {
+    "seq_id": RowField("int64", "", "stable id of the clean sequence; keys the random streams"),
+    "epoch": RowField("int32", "", "expansion epoch; a new epoch draws fresh layouts and noise"),
+    "layout_index": RowField("int32", "", "index in Lambda: systematic (g, h) ascending, then random layouts"),
+    "layout_kind": RowField("str", "", "'systematic' or 'random'"),
+    "g": RowField("int32", "", "noise-group size of a systematic layout; -1 for a random layout"),
+    "h": RowField("int32", "", "shift of a systematic layout; -1 for a random layout"),
+    "noisy_ids": RowField("int32", "L", "x_t: clean_ids with the sampled positions set to the mask token"),
+    "clean_ids": RowField("int32", "L", "x_0: prompt + response + EOS, then block-alignment pad tokens up to L"),
+    "block_group": RowField("int32", "K", "noise-group id per block; -1 = clean prompt block"),
+    "block_ratio": RowField("float32", "K", "mask ratio t per block; 0 for clean blocks"),
+    "prompt_len": RowField("int32", "", "prompt tokens (chat template applied)"),
+    "response_len": RowField("int32", "", "response tokens including the appended EOS"),
+    "total_len": RowField("int32", "", "L: prompt + response + block-alignment pads, all real (attended) "
+                                       "tokens; the training targets are prompt_len <= p < total_len"),
 }
 
 
