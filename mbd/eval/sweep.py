@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-import mbd.tiny.benchmark  # noqa: F401  (registers `tinymath`)
 from mbd.config import ConfigError, DecodeConfig, StrictModel, load_yaml, validate
 from mbd.eval.benchmarks import Benchmark, Kind, Problem, ScoreResult, get_benchmark, list_benchmarks
 from mbd.eval.prompts import user_prompt
