@@ -1,20 +1,28 @@
 """Configuration models shared by every layer.
 
 Configs are pydantic models so that a bad value fails at load time with the field name, the value
-and the allowed range, instead of deep inside a forward pass. YAML files in `configs/` are loaded with
-`load_yaml`; model configs come from a checkpoint's own `config.json` (`ModelConfig.from_hf`).
+and the allowed range, instead of deep inside a forward pass. One way to do each thing:
+- `load_yaml(path, Model, sets=...)` loads every YAML file in `configs/`, with command-line overrides in one
+  syntax, `--set key.sub=value` (`apply_sets`; the value is parsed as YAML);
+- `resolve_path` is the one anchor for relative paths (working directory first, then the repository root);
+- `parse_dtype` is the one dtype spelling (float32/bfloat16/float16, fp32/bf16/fp16 accepted as aliases).
+Model configs come from a checkpoint's own `config.json` (`ModelConfig.from_hf`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Sequence, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 T = TypeVar("T", bound=BaseModel)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}
 
 ARCHITECTURES = {"SDARForCausalLM": "sdar", "LLaDA2MoeModelLM": "llada2_moe"}
 
@@ -182,8 +190,27 @@ def validate(model: type[T], data: dict[str, Any], source: str = "config") -> T:
         raise ConfigError(f"{source}: {_fmt(e)}") from e
 
 
-def load_yaml(path: str | Path, model: type[T], section: str | None = None) -> T:
-    """Load and validate a YAML config; `section` picks a top-level key (e.g. 'decode')."""
+def apply_sets(data: dict[str, Any], items: Sequence[str]) -> dict[str, Any]:
+    """`--set a.b=value` items (value parsed as YAML) into the nested config dict, in order."""
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set deepspeed.zero_stage=3")
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: '{p}' is not a section")
+        try:
+            node[leaf] = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {e}") from e
+    return data
+
+
+def read_yaml(path: str | Path, section: str | None = None) -> dict[str, Any]:
+    """The mapping in a YAML file (or in its top-level `section`)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
@@ -192,12 +219,33 @@ def load_yaml(path: str | Path, model: type[T], section: str | None = None) -> T
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from e
     if section is not None:
-        if section not in data:
+        if not isinstance(data, dict) or section not in data:
             raise ConfigError(f"{p}: missing top-level section '{section}'")
         data = data[section]
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping of fields, got {type(data).__name__}")
-    return validate(model, data, str(p))
+    return data
+
+
+def load_yaml(path: str | Path, model: type[T], section: str | None = None, sets: Sequence[str] = ()) -> T:
+    """Load a YAML config, apply `--set` overrides and validate; `section` picks a top-level key."""
+    return validate(model, apply_sets(read_yaml(path, section), sets), str(path))
+
+
+def resolve_path(path: str | Path) -> Path:
+    """`path` as given if it exists (or is absolute), else relative to the repository root, so configs that
+    name `configs/decode/...` or `mbd/assets/tiny` work from any working directory."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
+
+
+def parse_dtype(name: str):
+    """A dtype name of any config (float32/bfloat16/float16 or fp32/bf16/fp16) -> torch.dtype."""
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise ConfigError(f"dtype {name!r}: expected one of {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, DTYPE_NAMES[name])
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -24,12 +24,12 @@ import ray
 from tqdm import tqdm
 
 from actors.eval_worker import EvalWorker
-from mbd.config import ConfigError, validate
+from mbd.config import ConfigError, apply_sets, read_yaml, resolve_path, validate
 from mbd.eval.benchmarks import Problem, ScoreResult, get_benchmark
 from mbd.eval.code_exec import UNSAFE_ENV, IsolationUnavailable, require_isolation
 from mbd.eval.report import SweepSummary, write_sweep_report
-from mbd.eval.sweep import (ResultStore, SweepConfig, WorkQueue, check_models, load_problems, load_sweep, make_record,
-                            plan_units, resolve_path, score_completion)
+from mbd.eval.sweep import (ResultStore, SweepConfig, WorkQueue, check_models, load_problems, make_record, plan_units,
+                            score_completion)
 
 UNITS_IN_FLIGHT = 2  # per worker: the next unit is queued at the actor while the driver handles the last one
 
@@ -141,6 +141,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, help="override every benchmark's limit (quick runs)")
     ap.add_argument("--workers", type=int, help="override the number of decoder actors")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], help="override device")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a field, e.g. --set workers=2 --set scoring_workers=1")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from stored records; no Ray")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in job logs)")
     ap.add_argument("--unsafe-code-exec", action="store_true",
@@ -149,14 +151,14 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def apply_overrides(cfg: SweepConfig, args: argparse.Namespace) -> SweepConfig:
-    data = cfg.model_dump()
-    for key in ("output_dir", "workers", "device"):
-        if getattr(args, key) is not None:
-            data[key] = getattr(args, key)
+def load_with_flags(args: argparse.Namespace) -> SweepConfig:
+    """The sweep YAML with `--set` items; --output-dir/--workers/--device are shorthands for sets, --limit sets
+    every benchmark's limit."""
+    sets = [f"{k}={getattr(args, k)}" for k in ("output_dir", "workers", "device") if getattr(args, k) is not None]
+    data = apply_sets(read_yaml(resolve_path(args.sweep)), [*sets, *args.sets])
     if args.limit is not None:
-        data["benchmarks"] = [{**b, "limit": args.limit} for b in data["benchmarks"]]
-    return validate(SweepConfig, data, "command-line overrides")
+        data["benchmarks"] = [{**b, "limit": args.limit} for b in data.get("benchmarks", [])]
+    return validate(SweepConfig, data, args.sweep)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.unsafe_code_exec:
         os.environ[UNSAFE_ENV] = "1"
     try:
-        cfg = apply_overrides(load_sweep(resolve_path(args.sweep)), args)
+        cfg = load_with_flags(args)
         if args.report_only:
             summary = write_sweep_report(cfg, load_problems(cfg))
         else:

@@ -46,10 +46,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from mbd.config import ConfigError, validate
+from mbd.config import apply_sets, read_yaml, validate
 from mbd.multitf.corrupt import ROW_SCHEMA, expand_sequence
 from mbd.multitf.layouts import num_layouts
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
@@ -270,6 +269,8 @@ def run_expand(cfg: ExpandConfig) -> ExpandSummary:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mbd expand", description="Expand a corpus into MultiTF rows (Ray Data).")
     ap.add_argument("--config", help="YAML file with ExpandConfig fields; flags override it")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a field, e.g. --set scheduler.rho=0.01")
     ap.add_argument("--input", dest="inputs", action="append", help="JSONL/Parquet file or directory (repeatable)")
     ap.add_argument("--output-dir", dest="output_dir")
     ap.add_argument("--model-dir", dest="model_dir")
@@ -283,15 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: Sequence[str] | None) -> ExpandConfig:
+    """The YAML (optional) with `--set` items, then the flags, which are shorthands for sets."""
     args = vars(build_parser().parse_args(argv))
-    path = args.pop("config")
-    data: dict[str, Any] = {}
-    if path:
-        if not Path(path).is_file():
-            raise ConfigError(f"--config: file not found: {path}")
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of ExpandConfig fields")
+    path, sets = args.pop("config"), args.pop("sets")
+    data = apply_sets(read_yaml(path) if path else {}, sets)
     sched = {k: args.pop(k) for k in ("name", "t_low", "t_high", "rho", "gamma_rand")}
     data.update({k: v for k, v in args.items() if v is not None})
     data["scheduler"] = {**data.get("scheduler", {}), **{k: v for k, v in sched.items() if v is not None}}

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from mbd.config import DTYPE_NAMES, parse_dtype
 from mbd.model import load_checkpoint, save_checkpoint
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+from mbd.model.checkpoint import copy_tokenizer_files
 
 
 def checkpoint_step(path: Path) -> int:
@@ -46,9 +44,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype = torch.fl
         raise FileNotFoundError(f"{checkpoint}: no model/config.json; not a checkpoint written by `mbd train`")
     model, cfg = load_checkpoint(src, dtype=dtype)
     save_checkpoint(model, cfg, out)
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, out / name)
+    copy_tokenizer_files(src, out)
     return out
 
 
@@ -58,10 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     where.add_argument("--run-dir", help="<storage_path>/<run name>: export its latest checkpoint")
     where.add_argument("--checkpoint", help="one checkpoint directory (checkpoint_*)")
     ap.add_argument("--out", required=True, help="output model directory")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--dtype", choices=list(DTYPE_NAMES), default="float32")
     args = ap.parse_args(argv)
     ckpt = latest_checkpoint(Path(args.run_dir)) if args.run_dir else Path(args.checkpoint)
-    out = export_checkpoint(ckpt, Path(args.out), DTYPES[args.dtype])
+    out = export_checkpoint(ckpt, Path(args.out), parse_dtype(args.dtype))
     print(json.dumps({"checkpoint": str(ckpt), "step": checkpoint_step(ckpt), "export_dir": str(out)}))
     return 0
 

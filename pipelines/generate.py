@@ -15,9 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-from mbd.config import ConfigError, DecodeConfig, load_yaml
+from mbd.config import REPO_ROOT, ConfigError, DecodeConfig, load_yaml, read_yaml
 
-TINY_DIR = Path(__file__).resolve().parents[1] / "mbd" / "assets" / "tiny"
+TINY_DIR = REPO_ROOT / "mbd" / "assets" / "tiny"
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -40,13 +40,10 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def load_decode_config(path: str) -> DecodeConfig:
+def load_decode_config(path: str | Path) -> DecodeConfig:
     """A flat DecodeConfig YAML (configs/decode/*.yaml) or a file with a top-level `decode:` section."""
-    import yaml
-
-    data = yaml.safe_load(Path(path).read_text()) if Path(path).is_file() else None
-    section = "decode" if isinstance(data, dict) and "decode" in data else None
-    return load_yaml(path, DecodeConfig, section=section)
+    data = read_yaml(path)
+    return load_yaml(path, DecodeConfig, section="decode" if "decode" in data else None)
 
 
 def parser() -> argparse.ArgumentParser:

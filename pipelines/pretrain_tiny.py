@@ -20,17 +20,16 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import yaml
 from pydantic import Field
 
-from mbd.config import ConfigError, ModelConfig, StrictModel, validate
+from mbd.config import REPO_ROOT, ConfigError, ModelConfig, StrictModel, apply_sets, read_yaml, resolve_path, validate
 from mbd.model import build_model, save_checkpoint
 from mbd.tiny.task import generate, split_size, write_jsonl
 from mbd.tiny.vocab import save_tokenizer, special_token_ids, vocab
 from mbd.train_config import TrainConfig
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny_pretrain.yaml"
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "mbd" / "assets" / "tiny"
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "train" / "tiny_pretrain.yaml"
+DEFAULT_OUT = REPO_ROOT / "mbd" / "assets" / "tiny"
 DECODE_CONFIGS = {"singlebd": "configs/decode/tiny_singlebd.yaml",
                   "multibd_training_free": "configs/decode/tiny_multibd.yaml"}
 PROVENANCE = "pretrain.json"
@@ -83,18 +82,14 @@ def prepare(cfg: PretrainConfig) -> ModelConfig:
     return mcfg
 
 
-def load_pretrain_config(path: Path, overrides: Sequence[str], steps: int | None, seed: int | None) -> PretrainConfig:
-    from pipelines.train_multitf import apply_overrides
-
-    if not path.is_file():
-        raise ConfigError(f"--config: file not found: {path}")
-    data = apply_overrides(yaml.safe_load(path.read_text()) or {}, overrides)
-    if steps is not None:
-        data.setdefault("train", {})["steps"] = steps
-    if seed is not None:
-        data["seed"] = seed
+def load_pretrain_config(path: Path, sets: Sequence[str], steps: int | None, seed: int | None) -> PretrainConfig:
+    """The YAML with `--set` items (and the --steps / --seed shorthands) applied; one seed for corpus, init and
+    training rows."""
+    sets = [*sets, *([f"train.steps={steps}"] if steps is not None else []),
+            *([f"seed={seed}"] if seed is not None else [])]
+    data = apply_sets(read_yaml(path), sets)
     if isinstance(data.get("train"), dict):
-        data["train"]["seed"] = data.get("seed", 0)  # one seed for corpus, init and training rows
+        data["train"]["seed"] = data.get("seed", 0)
     return validate(PretrainConfig, data, str(path))
 
 
@@ -132,9 +127,8 @@ def evaluate(model_dir: Path, n: int) -> dict:
     bench = TinyMath()
     problems = bench.load(limit=n)
     out: dict = {"heldout_seed": bench.seed}
-    root = Path(__file__).resolve().parents[1]
     for name, path in DECODE_CONFIGS.items():
-        engine = Engine.from_dir(model_dir, load_decode_config(str(root / path)), device="cpu", max_batch_slots=16)
+        engine = Engine.from_dir(model_dir, load_decode_config(resolve_path(path)), device="cpu", max_batch_slots=16)
         results = engine.generate([p.prompt_text for p in problems])
         correct = sum(bench.score(p, r.text).correct for p, r in zip(problems, results))
         generated, nfe = sum(r.num_generated for r in results), sum(r.nfe for r in results)

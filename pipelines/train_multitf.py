@@ -40,17 +40,15 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import ray
 import torch
-import yaml
 from pydantic import BaseModel
 from ray.data.collate_fn import NumpyBatchCollateFn
 
-from mbd.config import ConfigError, ModelConfig, read_json, validate
+from mbd.config import ConfigError, ModelConfig, load_yaml, read_json
 from mbd.multitf.batching import Batch, OnTheFlyRows, StepSampler, TokenizedSequence, collate, rows_to_columns
 from mbd.multitf.objectives import compute_objective, loss_stats, stats_metrics, stats_size
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
 from mbd.train_config import TrainConfig
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 POLL_S = 0.5
 
 
@@ -131,6 +129,7 @@ def save_training_checkpoint(engine, cfg: TrainConfig, mcfg: ModelConfig, step: 
                              metrics: dict[str, float]) -> None:
     """All ranks: DeepSpeed shards + (rank 0) HF snapshot, reported as one Ray Train checkpoint."""
     from mbd.model import save_checkpoint
+    from mbd.model.checkpoint import copy_tokenizer_files
 
     tmp = Path(tempfile.mkdtemp(prefix=f"mbd-ckpt-{step}-r{rank}-"))
     try:
@@ -139,9 +138,7 @@ def save_training_checkpoint(engine, cfg: TrainConfig, mcfg: ModelConfig, step: 
             if rank == 0:
                 save_checkpoint(engine.module, mcfg, tmp / "model")
         if rank == 0:
-            for name in TOKENIZER_FILES:
-                if (Path(cfg.model_path) / name).is_file():
-                    shutil.copy2(Path(cfg.model_path) / name, tmp / "model" / name)
+            copy_tokenizer_files(cfg.model_path, tmp / "model")
             (tmp / "train_state.json").write_text(json.dumps({"step": step, "metrics": metrics}))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)))
     finally:
@@ -391,22 +388,6 @@ def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
 
 # ---------------------------------------------------------------- CLI
 
-def apply_overrides(data: dict[str, Any], items: Sequence[str]) -> dict[str, Any]:
-    """`--set a.b=value` (value parsed as YAML) into the nested config dict."""
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set deepspeed.zero_stage=3")
-        node = data
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {item!r}: '{p}' is not a section")
-        node[leaf] = yaml.safe_load(raw)
-    return data
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mbd train", description="MultiTF training on Ray Train + DeepSpeed ZeRO.")
     ap.add_argument("--config", required=True, help="YAML TrainConfig (configs/train/*.yaml)")
@@ -414,12 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="override a config field, e.g. --set steps=10 --set deepspeed.zero_stage=3")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (log-friendly)")
     args = ap.parse_args(argv)
-    path = Path(args.config)
     try:
-        if not path.is_file():
-            raise ConfigError(f"--config: file not found: {path}")
-        data = apply_overrides(yaml.safe_load(path.read_text()) or {}, args.overrides)
-        cfg = validate(TrainConfig, data, str(path))
+        cfg = load_yaml(args.config, TrainConfig, sets=args.overrides)
         summary = run_train(cfg, show_progress=not args.no_progress)
     except ConfigError as e:
         print(f"mbd train: {e}", file=sys.stderr)

@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
+from mbd.config import REPO_ROOT
 from mbd.eval.code_scoring import CodeScorer, CodeScoringConfig, CodeTests, Flavor
 from mbd.eval.math_scoring import score_gsm8k, score_math
 from mbd.eval.prompts import extract_code
@@ -91,7 +92,7 @@ def resolve_data_dir(data_dir: str | Path | None = None) -> Path:
         if not path.is_dir():
             raise FileNotFoundError(f"benchmark data directory {path} does not exist (data_dir / MBD_DATA_DIR)")
         return path
-    default = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    default = REPO_ROOT.parent / "shared" / "data"
     if not default.is_dir():
         raise FileNotFoundError(f"no benchmark data directory: set MBD_DATA_DIR (the default {default} does not exist)")
     return default

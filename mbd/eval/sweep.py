@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from mbd.config import ConfigError, DecodeConfig, StrictModel, load_yaml, validate
+from mbd.config import ConfigError, DecodeConfig, StrictModel, load_yaml, parse_dtype, resolve_path, validate
 from mbd.eval.benchmarks import Benchmark, Kind, Problem, ScoreResult, get_benchmark, list_benchmarks
 from mbd.eval.prompts import user_prompt
 
@@ -26,17 +26,9 @@ if TYPE_CHECKING:  # torch is imported only where decoding happens: scoring proc
     from mbd.decoding.engine import Engine
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.=+-]*$"  # names become directory names in the results store
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # A unit of work holds this many batches: continuous batching refills a finished request's slot within a unit,
 # while units stay small enough to balance across workers and to lose little on an interruption.
 BATCHES_PER_UNIT = 4
-
-
-def resolve_path(path: str) -> Path:
-    """`path` as given if it exists (or is absolute), else relative to the repository root, so configs that
-    name `configs/decode/...` or `mbd/assets/tiny` work from any working directory."""
-    p = Path(path).expanduser()
-    return p if p.is_absolute() or p.exists() else REPO_ROOT / p
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -162,10 +154,6 @@ class SweepConfig(StrictModel):
         """The (model, configuration) cells of the sweep in table order, each row followed by its sweep points."""
         return [(m, p) for m in self.models for d in self.decoding if d.models is None or m.name in d.models
                 for p in d.points()]
-
-
-def load_sweep(path: str | Path) -> SweepConfig:
-    return load_yaml(path, SweepConfig)
 
 
 # ----------------------------------------------------------------------------------------------- records
@@ -323,7 +311,7 @@ class EngineCache:
         self._engine = None
         if self._model is None or self._model[0] != mkey:
             self._model = None  # free the previous weights before loading the next
-            dtype = (getattr(torch, model.dtype) if model.dtype != "auto"
+            dtype = (parse_dtype(model.dtype) if model.dtype != "auto"
                      else torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32)
             net, mcfg = load_checkpoint(mkey[0], dtype=dtype, device=self.device)
             self._model = (mkey, (net, Tokenizer.from_dir(mkey[0], mcfg)))

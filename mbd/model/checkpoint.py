@@ -22,6 +22,7 @@ from mbd.model.tp import SINGLE, TPGroup
 FAMILIES = {"sdar": SDARForCausalLM, "llada2_moe": LLaDA2MoeModelLM}
 ALIASES = {"e_score_correction_bias": "expert_bias"}
 INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 class CheckpointError(ValueError):
@@ -139,3 +140,12 @@ def save_checkpoint(model: nn.Module, cfg: ModelConfig, path: str | Path, shard_
         weight_map.update({k: name for k in s})
     (d / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     return d
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
+    """Copy a model directory's tokenizer files (those present) next to weights written elsewhere."""
+    import shutil
+
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)

@@ -6,7 +6,6 @@ Module attribute names equal the tensor names of SDAR's HuggingFace checkpoints
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from mbd.config import ModelConfig

@@ -164,8 +164,9 @@ def test_cli_flags_override_yaml(tmp_path):
     cfg_file = tmp_path / "x.yaml"
     cfg_file.write_text("inputs: [a.jsonl]\noutput_dir: out\nmodel_dir: m\ngmax: 4\n"
                         "scheduler: {name: d2f, t_low: 0.2}\n")
-    cfg = config_from_args(["--config", str(cfg_file), "--epoch", "2", "--rho", "0.3", "--n-rand", "3"])
-    assert (cfg.gmax, cfg.epoch, cfg.n_rand) == (4, 2, 3)
+    cfg = config_from_args(["--config", str(cfg_file), "--epoch", "2", "--rho", "0.3", "--n-rand", "3",
+                            "--set", "seed=9", "--set", "scheduler.t_high=0.9"])
+    assert (cfg.gmax, cfg.epoch, cfg.n_rand, cfg.seed, cfg.scheduler.t_high) == (4, 2, 3, 9, 0.9)
     assert (cfg.scheduler.name, cfg.scheduler.t_low, cfg.scheduler.rho) == ("d2f", 0.2, 0.3)
     with pytest.raises(ValueError, match="gmax"):
         config_from_args(["--config", str(cfg_file), "--gmax", "1"])

@@ -2,7 +2,6 @@
 
 import math
 import os
-import shutil
 import socket
 import subprocess
 import sys
