@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.tp_worker import Lockstep, ModelSpec, Op, TPWorker, build_engine, free_port, init_tp
+from actors.tp_worker import Lockstep, ModelSpec, Op, TPWorker, free_port, init_tp
+from mbd.decoding.spec import build_engine
 from mbd.config import DecodeConfig, ModelConfig, read_json
 from mbd.decoding.engine import StepOutput
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
-from pathlib import Path
 from typing import Literal
 
 import ray
@@ -19,44 +18,30 @@ import torch
 import torch.distributed as dist
 from pydantic import Field, model_validator
 
-from mbd.config import DecodeConfig, StrictModel
+from mbd.config import DecodeConfig
 from mbd.decoding.engine import Engine, StepOutput
-from mbd.model import TPGroup, load_checkpoint
-from mbd.tokenizer import Tokenizer
+from mbd.decoding.spec import EngineSpec, build_engine
+from mbd.model import TPGroup
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Ops broadcast from rank 0: ("add", request_id, prompt_ids, DecodeConfig) | ("abort", request_id) | ("stop",)
 Op = tuple
 
 
-class ModelSpec(StrictModel):
-    """What a rank needs to load its shard and build its engine."""
+class ModelSpec(EngineSpec):
+    """A served model: the engine's spec plus the replica's name, tensor parallelism and resources per rank."""
 
-    path: str = Field(description="model directory: config.json, *.safetensors, tokenizer.json")
     name: str = Field(default="mbd-tiny", min_length=1, description="the `model` id clients send")
-    tensor_parallel_size: int = Field(default=1, ge=1, le=8)
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_batch_slots: int = Field(default=8, ge=1, le=1024, description="requests decoded together per step")
+    tensor_parallel_size: int = Field(default=1, ge=1, le=8)
     num_cpus_per_rank: float = Field(default=1.0, gt=0)
     num_gpus_per_rank: float = Field(default=0.0, ge=0)
-    torch_threads: int | None = Field(default=None, ge=1, description="intra-op threads per rank (CPU)")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
         if self.device == "cuda" and self.num_gpus_per_rank < 1:
             raise ValueError("device 'cuda' needs num_gpus_per_rank: 1 (one GPU per tensor-parallel rank)")
         return self
-
-    def resolved_path(self) -> Path:
-        """Absolute model directory. A relative path is tried against the working directory, then against the
-        installed package root, so `mbd/assets/tiny` works from any directory and inside the Docker image."""
-        p = Path(self.path).expanduser()
-        if p.is_absolute() or p.exists():
-            return p.resolve()
-        import mbd
-
-        return (Path(mbd.__file__).resolve().parent.parent / p).resolve()
 
     @property
     def backend(self) -> str:
@@ -79,15 +64,6 @@ def init_tp(spec: ModelSpec, rank: int, addr: str, port: int) -> tuple[TPGroup, 
                             timeout=timedelta(minutes=10))
     ctrl = dist.new_group(backend="gloo") if spec.backend != "gloo" else None
     return TPGroup(rank, world), ctrl
-
-
-def build_engine(spec: ModelSpec, decode: DecodeConfig, tp: TPGroup) -> Engine:
-    if spec.torch_threads:
-        torch.set_num_threads(spec.torch_threads)
-    device = torch.device("cuda", 0) if spec.device == "cuda" else torch.device("cpu")
-    path = spec.resolved_path()
-    model, cfg = load_checkpoint(path, tp=tp, dtype=DTYPES[spec.dtype], device=device)
-    return Engine(model, Tokenizer.from_dir(path, cfg), decode, max_batch_slots=spec.max_batch_slots, device=device)
 
 
 class Lockstep:

@@ -58,13 +58,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="one JSON result per line")
     ap.add_argument("--trace", action="store_true", help="include per-step slot states in --json output")
     ap.add_argument("--max-batch-slots", type=int, default=8)
-    ap.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if available")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from mbd.decoding import Engine  # after argument parsing: `--help` stays instant
+    from mbd.decoding import EngineSpec, build_engine  # after argument parsing: `--help` stays instant
 
     try:
         cfg = load_decode_config(args.config)
@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = Path(args.model) if args.model else TINY_DIR
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"--model {model_dir}: not a checkpoint directory (config.json missing)")
-        engine = Engine.from_dir(model_dir, cfg, device=args.device, max_batch_slots=args.max_batch_slots,
-                                 trace=args.trace)
+        spec = EngineSpec(path=str(model_dir), device=args.device, max_batch_slots=args.max_batch_slots)
+        engine = build_engine(spec, cfg, trace=args.trace)
         if engine.tokenizer is None:
             raise ConfigError(f"--model {model_dir}: tokenizer.json missing; text prompts need a tokenizer")
     except (ConfigError, ValueError) as e:

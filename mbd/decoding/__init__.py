@@ -5,7 +5,8 @@ from mbd.decoding.engine import Engine, EngineStats, GenerationResult, StepOutpu
 from mbd.decoding.naive import NaiveMultiBD, ReferenceResult
 from mbd.decoding.policy import Policy
 from mbd.decoding.single import SingleBD
+from mbd.decoding.spec import EngineSpec, build_engine
 from mbd.decoding.state import SlotState
 
-__all__ = ["Engine", "EngineStats", "GenerationResult", "NaiveMultiBD", "Policy", "ReferenceResult", "SingleBD",
-           "SlotState", "StepOutput"]
+__all__ = ["Engine", "EngineSpec", "EngineStats", "GenerationResult", "NaiveMultiBD", "Policy", "ReferenceResult",
+           "SingleBD", "SlotState", "StepOutput", "build_engine"]

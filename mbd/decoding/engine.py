@@ -22,7 +22,6 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,17 +115,6 @@ class Engine:
         # per row: slot states + committed cache length, as last written to the device
         self._host_rows = [self.buf.slot_states(0, 0, self.n_buf) + [0] for _ in range(max_batch_slots)]
         self.stats = EngineStats()
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path, cfg: DecodeConfig, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, **kw) -> "Engine":
-        from mbd.model import load_checkpoint
-
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        model, mcfg = load_checkpoint(model_dir, dtype=dtype, device=device)
-        tok = Tokenizer.from_dir(model_dir, mcfg) if (Path(model_dir) / "tokenizer.json").is_file() else None
-        return cls(model, tok, cfg, device=device, **kw)
 
     # ----------------------------------------------------------------- requests
     def resolve_params(self, params: Params) -> DecodeConfig:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from mbd.config import ConfigError, DecodeConfig, StrictModel, load_yaml, parse_dtype, resolve_path, validate
+from mbd.config import ConfigError, DecodeConfig, StrictModel, load_yaml, resolve_path, validate
 from mbd.eval.benchmarks import Benchmark, Kind, Problem, ScoreResult, get_benchmark, list_benchmarks
 from mbd.eval.prompts import user_prompt
 
@@ -298,25 +298,19 @@ class EngineCache:
         self._engine: tuple[tuple[str, str, str], Engine] | None = None
 
     def get(self, model: ModelEntry, params: DecodeConfig) -> Engine:
-        import torch
+        from mbd.decoding.spec import EngineSpec, build_engine, load_engine_model
 
-        from mbd.decoding.engine import Engine
-        from mbd.model import load_checkpoint
-        from mbd.tokenizer import Tokenizer
-
-        mkey = (str(resolve_path(model.path)), model.dtype)
+        spec = EngineSpec(path=model.path, device=self.device, dtype=model.dtype, max_batch_slots=self.batch_size)
+        mkey = (str(spec.resolved_path()), model.dtype)
         ekey = (*mkey, params.model_dump_json())
         if self._engine is not None and self._engine[0] == ekey:
             return self._engine[1]
         self._engine = None
         if self._model is None or self._model[0] != mkey:
             self._model = None  # free the previous weights before loading the next
-            dtype = (parse_dtype(model.dtype) if model.dtype != "auto"
-                     else torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32)
-            net, mcfg = load_checkpoint(mkey[0], dtype=dtype, device=self.device)
-            self._model = (mkey, (net, Tokenizer.from_dir(mkey[0], mcfg)))
-        net, tok = self._model[1]
-        engine = Engine(net, tok, params, max_batch_slots=self.batch_size, device=self.device, trace=self.trace)
+            self._model = (mkey, load_engine_model(spec))
+        engine = build_engine(spec, params, loaded=self._model[1], trace=self.trace)
+        tok = self._model[1][1]
         # One short request before anything is timed: first-call costs (allocator, kernel selection, CUDA
         # Graph capture) would otherwise land in the first cell's TPS.
         engine.generate([tok.encode("1+1")], params.model_copy(update={"max_new_tokens": 8}))
