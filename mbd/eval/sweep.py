@@ -1,8 +1,7 @@
 """Evaluation sweeps: models x decoding configurations x benchmarks, as resumable per-problem records.
 
 Pure PyTorch/pydantic (no Ray): `pipelines/eval_sweep.py` fans the units planned here out over decoder actors
-and scores in a CPU pool; `run_items` runs one (model, config, benchmark) cell in-process with the same
-pieces. Every problem's record is appended to a JSONL file as soon as it is scored, so an interrupted sweep
+and scores in a CPU pool. Every problem's record is appended to a JSONL file as soon as it is scored, so an interrupted sweep
 resumes by skipping the problem ids already stored (a torn last line is dropped, not trusted).
 """
 
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from mbd.config import ConfigError, DecodeConfig, StrictModel, load_yaml, resolve_path, validate
-from mbd.eval.benchmarks import Benchmark, Kind, Problem, ScoreResult, get_benchmark, list_benchmarks
+from mbd.eval.benchmarks import Kind, Problem, ScoreResult, get_benchmark, list_benchmarks
 from mbd.eval.prompts import user_prompt
 
 if TYPE_CHECKING:  # torch is imported only where decoding happens: scoring processes stay light
@@ -400,29 +399,3 @@ class WorkQueue:
         if not group:
             del self._groups[key]
         return unit
-
-
-# -------------------------------------------------------------------------------------------- in-process
-
-
-def run_items(engine: Engine, benchmark: Benchmark, problems: Sequence[Problem], model: str, config: str,
-              params: DecodeConfig | None = None, store: ResultStore | None = None, batch_size: int = 8,
-              trace_problems: int = 0) -> list[ItemRecord]:
-    """Decode and score one (model, config, benchmark) cell in this process; with a store, problems already
-    stored are skipped and each new record is appended as soon as it is scored. Returns the new records."""
-    params = params or engine.cfg
-    done = store.load(model, config, benchmark.name) if store is not None else {}
-    todo = [(i, p) for i, p in enumerate(problems) if p.problem_id not in done]
-    out = []
-    for s in range(0, len(todo), batch_size):
-        chunk = todo[s: s + batch_size]
-        decoded = decode_prompts(engine, [user_prompt(p) for _, p in chunk], params,
-                                 [i < trace_problems for i, _ in chunk])
-        for (_, problem), d in zip(chunk, decoded):
-            record = make_record(model, config, problem, d, benchmark.score(problem, d.completion))
-            if store is not None:
-                store.append(record)
-                if d.trace is not None:
-                    store.append_trace(model, config, benchmark.name, problem.problem_id, d.trace)
-            out.append(record)
-    return out

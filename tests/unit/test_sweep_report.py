@@ -10,7 +10,7 @@ from mbd.config import ConfigError
 from mbd.eval.metrics import AupPoint, aup, aup_d3llm, mean_aup
 from mbd.eval.report import (CellMetrics, Layout, Row, activity_profile, active_counts, aggregate, build_report,
                              mask_ratios_by_rank, plot_accuracy_vs_tpf, plot_noise_activity, write_sweep_report)
-from mbd.eval.sweep import ItemRecord, ResultStore, SweepConfig, WorkQueue, load_problems, plan_units, run_items
+from mbd.eval.sweep import ItemRecord, ResultStore, SweepConfig, WorkQueue, load_problems, plan_units
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -233,35 +233,6 @@ def test_plan_skips_stored_and_queue_prefers_held_engine(tmp_path):
     assert queue.pop(a_units[0].key) is a_units[0]  # the worker holding a's engine gets a's unit
     assert queue.pop(a_units[0].key).key == first.key  # a is done: fall back to b
     assert len(queue) == 0 and queue.pop() is None
-
-
-def test_run_items_in_process_resumes(tmp_path):
-    from mbd.config import DecodeConfig
-    from mbd.decoding import Engine
-    from mbd.eval.benchmarks import get_benchmark
-    from mbd.model import build_model
-    from mbd.tiny.vocab import save_tokenizer, special_token_ids
-    from mbd.tokenizer import Tokenizer
-    from tests.conftest import tiny_cfg
-
-    ids = special_token_ids()
-    cfg = tiny_cfg("sdar", vocab_size=56, mask_token_id=ids["mask_token_id"], eos_token_id=ids["eos_token_id"],
-                   pad_token_id=ids["pad_token_id"])
-    engine = Engine(build_model(cfg), Tokenizer.from_dir(save_tokenizer(tmp_path / "tok"), cfg),
-                    DecodeConfig(buffer_size=2, tau_add=0.5, max_length=128, max_new_tokens=8, max_nfe=16),
-                    max_batch_slots=2, trace=True)
-    bench = get_benchmark("tinymath")
-    problems = bench.load(limit=3)
-    store = ResultStore(tmp_path / "out")
-    first = run_items(engine, bench, problems[:2], "m", "a", store=store, batch_size=2, trace_problems=1)
-    assert [r.problem_id for r in first] == [p.problem_id for p in problems[:2]]
-    for r, p in zip(first, problems):
-        assert r.nfe >= 1 and r.num_generated <= 8 and r.tpf == pytest.approx(r.num_generated / r.nfe)
-        assert r.correct == bench.score(p, r.completion).correct
-    again = run_items(engine, bench, problems, "m", "a", store=store, batch_size=2, trace_problems=1)
-    assert [r.problem_id for r in again] == [problems[2].problem_id]  # only the missing problem is decoded
-    assert len(store.load("m", "a", "tinymath")) == 3
-    assert list(store.load_traces("m", "a", "tinymath")) == [problems[0].problem_id]
 
 
 def test_write_sweep_report_from_store(tmp_path):
