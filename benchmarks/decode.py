@@ -191,15 +191,19 @@ def overhead(size: str, batch: int, block: int, n_buf: int, plen: int, tau: floa
         for _ in range(steps):
             if not engine.has_unfinished():
                 break
-            b = runner.bucket(engine.sched.rows_needed())
-            k = max(r.n_res for r in engine.sched.running.values())
             a = clocks()
             engine.step()
             e = clocks()
+            run = engine.sched.running.values()
+            if not run:
+                break
+            b = runner.bucket(engine.sched.rows_needed())
+            k = max(r.n_res for r in run)
+            act = max(r.n_res - r.n_tc for r in run)
             span = runner.span(int(runner.cache.lengths[:b].max()), k)
-            runner.forward(b, k, span)  # builds positions and mask if the step changed them: not timed
+            runner.forward(b, k, span, act)  # builds positions and mask if the step changed them: not timed
             m = clocks()
-            runner.forward(b, k, span)
+            runner.forward(b, k, span, act)
             z = clocks()
             wall.append((e[0] - a[0]) / (z[0] - m[0]))
             cpu.append((e[1] - a[1]) / (z[1] - m[1]))
