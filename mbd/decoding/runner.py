@@ -191,7 +191,7 @@ class ModelRunner:
         flat_idx = (torch.arange(b, device=dev)[:, None] * Q + idx).view(1, -1)
         logits = self.model(torch.cat(ids, 1), torch.cat(all_pos, 1), None, cache=Segments(tuple(parts)),
                             logits_at=flat_idx)
-        return logits.view(b, active * self.block, -1), idx
+        return logits.view(b, active * self.block, logits.shape[-1]), idx
 
     def _capture(self, b: int, slots: int, span: int,
                  active: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
