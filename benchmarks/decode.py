@@ -232,12 +232,12 @@ def prefix_latency(size: str, block: int, tau: float, steps: int) -> dict:
             "alloc": c.nbytes(), "needed": needed}
 
 
-def buffer_cost(size: str, tau: float, repeats: int, blocks, batches, temper: float) -> list[str]:
+def buffer_cost(size: str, tau: float, repeats: int, blocks, batches, temper: float, new: int) -> list[str]:
     """What a larger Block Buffer costs per step and gains per forward (sec:efficiency_analysis): N_buf 2 and 4
-    vs N_buf 1 on the same engine, ABC / CBA repeats, medians. Batch 1: 4 requests one after another through
+    vs N_buf 1 on the same engine, ABC / CBA repeats, medians. Batch 1: 2 requests one after another through
     one slot (TPF of a random model varies from prompt to prompt); batch 16: 16 requests through 16 slots.
-    Prompts of 64 tokens; 128 new tokens at batch 1, 64 at batch 16. Also: the share of query positions that
-    were DUMMY slots (the rows' resident prefixes differ) and the share whose logits the head computed."""
+    Prompts of 64 tokens, `new` new tokens. Also: the share of query positions that were DUMMY slots (the
+    rows' resident prefixes differ) and the share whose logits the head computed."""
     head = ("| B | batch | N_buf | TPS | TPF | step ms | TPF gain | latency cost | TPS gain | TPS gain / (TPF gain / cost) "
             "| DUMMY positions | logit rows / positions |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
@@ -245,7 +245,7 @@ def buffer_cost(size: str, tau: float, repeats: int, blocks, batches, temper: fl
         model, cfg = random_sdar(size, B, MAX_LEN, temper=temper)
         for batch in batches:
             t = time.perf_counter()
-            n_req, new = (4, 128) if batch == 1 else (batch, 64)
+            n_req = 2 if batch == 1 else batch
             g = torch.Generator().manual_seed(B * 1000 + batch)
             prompts = torch.randint(0, cfg.vocab_size - 2, (n_req, 64), generator=g).tolist()
             engines = {n: Engine(model, None, decode_config(n, B, tau), max_batch_slots=batch) for n in (1, 2, 4)}
@@ -351,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", default="4,32")
     ap.add_argument("--prompts", default="64,1024")
     ap.add_argument("--steps", type=int, default=40, help="steps of the overhead, prefix and admission parts")
+    ap.add_argument("--new", type=int, default=64, help="new tokens per request (buffer part)")
     ap.add_argument("--temper", type=float, default=TEMPER, help="LM-head scale of the random model (buffer part)")
     ap.add_argument("--llada2-mini", action="store_true", help="GPU only: the LLaDA2-Mini-shaped part alone")
     args = ap.parse_args(argv)
@@ -376,8 +377,10 @@ def main(argv: list[str] | None = None) -> int:
             o = overhead("60m", batch, 4, 1, 64, args.tau, args.steps)
             print(f"  batch {batch:2d}: wall {o['wall']:.3f}  thread-CPU {o['cpu']:.3f}  ({o['steps']} steps)", flush=True)
     if "buffer" in parts:
-        lines = buffer_cost("60m", args.tau, args.repeats, ints(args.blocks), ints(args.batches), args.temper)
-        print(f"\nBlock Buffer cost vs N_buf=1, 60m model (head tempered x{args.temper:g}), tau_m2t {args.tau}\n"
+        lines = buffer_cost(args.size, args.tau, args.repeats, ints(args.blocks), ints(args.batches), args.temper,
+                            args.new)
+        print(f"\nBlock Buffer cost vs N_buf=1, {args.size} model (head tempered x{args.temper:g}), tau_m2t {args.tau}, "
+              f"{args.new} new tokens\n"
               + "\n".join(lines), flush=True)
     if "admission" in parts:
         for block, n_buf in ((4, 2), (32, 2)):

@@ -1,11 +1,13 @@
 """The Block Buffer MultiBD engine (alg:optimized_multibd): the public decoding API of the project.
 
-One `step()` = admit waiting requests (prefill) -> ONE static-shape forward over every batch slot's Block
-Buffer -> vectorised M2T / T2T token updates -> one device-to-host transfer of the tokens and per-slot
-counts -> per-request host bookkeeping in plain ints (TO_CACHE marking, emit final tokens, finish,
-activation) -> in place on the device: slide the buffers past the committed blocks, and (when any changed)
-upload slot states and committed lengths in one copy. The CLI, the eval sweeps and the HTTP service all
-drive this object; `generate` and `stream` are convenience drivers of the same loop.
+One `step()` = admit waiting requests into free rows -> ONE static-shape forward over every decoding row's
+Block Buffer, carrying up to `prefill_budget` prompt tokens of admitted rows (chunked prefill; with no row
+decoding a prompt is prefilled at once) -> logits for the ACTIVE slots only -> vectorised M2T / T2T token
+updates -> one device-to-host transfer of the tokens and per-slot counts -> per-request host bookkeeping in
+plain ints (TO_CACHE marking, emit final tokens, finish, activation) -> in place on the device: slide the
+buffers past the committed blocks, and (when any changed) upload slot states and committed lengths in one
+copy. The CLI, the eval sweeps and the HTTP service all drive this object; `generate` and `stream` are
+convenience drivers of the same loop.
 
 Per-request params (`add_request(params=...)`): a full DecodeConfig or a mapping of overrides of the
 engine's config; buffer_size may not exceed the engine's compiled buffer_size, block_size must be the

@@ -17,10 +17,17 @@ slots of each row, k = the most resident slots of any row (resident slots are a 
 slots are skipped). Span: attention reads keys [0, span) only, span = the longest row's committed length
 + k * B rounded up by `span_bucket` (so every token's own key is inside), never the whole
 `max_len + margin` allocation: a step costs what the live prefix and the live blocks cost. Within a
-(batch, slots, span) bucket the shapes never change, so on CUDA the forward is captured once per bucket
-triple and replayed; on CPU it runs eagerly through the same function.
+(batch, slots, span, active) bucket the shapes never change, so on CUDA the forward is captured once per
+bucket and replayed; on CPU it runs eagerly through the same function.
 Masks come from small index tensors: a dense [b, 1, Q, span] bool mask for SDPA (the reference), or a
 FlexAttention BlockMask whose per-row key-block counts stop at the row's last visible key (`attention="flex"`).
+
+Logits: only ACTIVE slots' logits are ever read, so the head (and the policy's vocabulary softmax) runs on a
+window of `active` slots per row (`window`; active = the most ACTIVE slots of any row, one more bucket axis):
+TO_CACHE slots being stored and DUMMY slots get none unless they pad a row with fewer ACTIVE slots, and a
+forward whose rows only store (SingleBD's store forward) runs no head at all; neither does a prefill.
+Chunked prefill: prompt chunks of other rows ride in the decode forward (`_fused`): one pass over the weights
+for all tokens, attention per segment (eager; on GPU such steps are not graph-captured).
 """
 
 from __future__ import annotations
