@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.hf_baseline import PlainBlockDiffusion, random_sdar, to_qwen3  # noqa: E402
+from benchmarks.hf_baseline import TEMPER, PlainBlockDiffusion, random_sdar, to_qwen3  # noqa: E402
 from mbd.config import DecodeConfig, ModelConfig, read_json  # noqa: E402
 from mbd.decoding import Engine  # noqa: E402
 from mbd.model import build_model  # noqa: E402
@@ -191,15 +191,17 @@ def overhead(size: str, batch: int, block: int, n_buf: int, plen: int, tau: floa
         for _ in range(steps):
             if not engine.has_unfinished():
                 break
+            run = engine.sched.running.values()
             b = runner.bucket(engine.sched.rows_needed())
-            k = max(r.n_res for r in engine.sched.running.values())
+            k = max(r.n_res for r in run)
+            act = max(r.n_res - r.n_tc for r in run)  # the step's shapes
+            span = runner.span(max(r.cache_len for r in run), k)
             a = clocks()
             engine.step()
             e = clocks()
-            span = runner.span(int(runner.cache.lengths[:b].max()), k)
-            runner.forward(b, k, span)  # builds positions and mask if the step changed them: not timed
+            runner.forward(b, k, span, act)  # builds positions and mask if the step changed them: not timed
             m = clocks()
-            runner.forward(b, k, span)
+            runner.forward(b, k, span, act)
             z = clocks()
             wall.append((e[0] - a[0]) / (z[0] - m[0]))
             cpu.append((e[1] - a[1]) / (z[1] - m[1]))
@@ -228,6 +230,83 @@ def prefix_latency(size: str, block: int, tau: float, steps: int) -> dict:
     needed = (int(c.lengths.sum()) + c.rows * engines[1024].q) * per_pos
     return {"ms64": 1e3 * statistics.median(times[64]), "ms1024": 1e3 * statistics.median(times[1024]),
             "alloc": c.nbytes(), "needed": needed}
+
+
+def buffer_cost(size: str, tau: float, repeats: int, blocks, batches, temper: float, new: int) -> list[str]:
+    """What a larger Block Buffer costs per step and gains per forward (sec:efficiency_analysis): N_buf 2 and 4
+    vs N_buf 1 on the same engine, ABC / CBA repeats, medians. Batch 1: 2 requests one after another through
+    one slot (TPF of a random model varies from prompt to prompt); batch 16: 16 requests through 16 slots.
+    Prompts of 64 tokens, `new` new tokens. Also: the share of query positions that were DUMMY slots (the
+    rows' resident prefixes differ) and the share whose logits the head computed."""
+    head = ("| B | batch | N_buf | TPS | TPF | step ms | TPF gain | latency cost | TPS gain | TPS gain / (TPF gain / cost) "
+            "| DUMMY positions | logit rows / positions |")
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for B in blocks:
+        model, cfg = random_sdar(size, B, MAX_LEN, temper=temper)
+        for batch in batches:
+            t = time.perf_counter()
+            n_req = 2 if batch == 1 else batch
+            g = torch.Generator().manual_seed(B * 1000 + batch)
+            prompts = torch.randint(0, cfg.vocab_size - 2, (n_req, 64), generator=g).tolist()
+            engines = {n: Engine(model, None, decode_config(n, B, tau), max_batch_slots=batch) for n in (1, 2, 4)}
+            for e in engines.values():
+                run_engine(e, prompts[:batch], 2 * B)
+            runs: dict[int, list[tuple[Run, float, float]]] = {n: [] for n in engines}
+            for rep in range(repeats):
+                for n in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
+                    st = engines[n].stats
+                    p0, r0, l0 = st.positions_run, st.resident_positions, st.logit_rows
+                    r = run_engine(engines[n], prompts, new)
+                    pos = st.positions_run - p0
+                    runs[n].append((r, 1 - (st.resident_positions - r0) / pos, (st.logit_rows - l0) / pos))
+            med = {n: {"tps": statistics.median(r.tokens / r.decode_s for r, _, _ in rs),
+                       "tpf": statistics.median(r.tokens / r.forwards for r, _, _ in rs),
+                       "ms": statistics.median(1e3 * r.decode_s / r.steps for r, _, _ in rs),
+                       "dummy": statistics.median(d for _, d, _ in rs), "logit": statistics.median(x for *_, x in rs)}
+                   for n, rs in runs.items()}
+            base = med[1]
+            for n, m in med.items():
+                gain, cost, tps = m["tpf"] / base["tpf"], m["ms"] / base["ms"], m["tps"] / base["tps"]
+                lines.append(f"| {B} | {batch} | {n} | {m['tps']:.1f} | {m['tpf']:.2f} | {m['ms']:.1f} | {gain:.2f} | "
+                             f"{cost:.2f} | {tps:.2f} | {tps / (gain / cost):.2f} | {m['dummy']:.2f} | {m['logit']:.2f} |")
+            print("\n".join(lines[-3:]), f"({time.perf_counter() - t:.0f} s)", flush=True)
+    return lines
+
+
+def admission(size: str, block: int, n_buf: int, tau: float, budgets, steps: int, long: int = 1024) -> list[str]:
+    """Step latency of a decoding row (batch 1, prompt 64) while a `long`-token prompt is admitted, per
+    prefill_budget, against the same row with no admission: the engines step in turn (same decode tokens,
+    same shapes; the admitting one also carries the prompt chunks). A budget >= the prompt prefills it in
+    one step, as a stall would. Reported: median and max latency ratio over the steps that carried a chunk,
+    and how many steps the prompt took to be prefilled (its time to first decode)."""
+    model, cfg = random_sdar(size, block, MAX_LEN)
+    g = torch.Generator().manual_seed(5)
+    short, prompt = (torch.randint(0, cfg.vocab_size - 2, (n,), generator=g).tolist() for n in (64, long))
+    dc = decode_config(n_buf, block, tau).model_copy(update={"max_new_tokens": 1024})
+    engines = {b: Engine(model, None, dc, max_batch_slots=2, prefill_budget=b) for b in (0, *budgets)}
+    for b, e in engines.items():
+        e.add_request(short)
+        e.step()
+        if b:
+            e.add_request(prompt, {"max_new_tokens": 8})
+    times: dict[int, list[float]] = {b: [] for b in engines}
+    chunked: dict[int, list[bool]] = {b: [] for b in engines}
+    for _ in range(steps):
+        for b, e in engines.items():
+            c0 = e.stats.chunked_steps
+            t = time.perf_counter()
+            e.step()
+            times[b].append(time.perf_counter() - t)
+            chunked[b].append(e.stats.chunked_steps > c0)
+    lines = [f"| prefill_budget | steps to prefill {long} tokens | step / no-admission step (median) | (max) |",
+             "|---|---|---|---|"]
+    for b in budgets:
+        ratios = [t / t0 for t, t0, c in zip(times[b], times[0], chunked[b]) if c]
+        if sum(chunked[b]) * b < long - long % block and len(ratios) == steps:
+            lines.append(f"| {b} | > {steps} (run more --steps) | {statistics.median(ratios):.2f} | {max(ratios):.2f} |")
+            continue
+        lines.append(f"| {b} | {len(ratios)} | {statistics.median(ratios):.2f} | {max(ratios):.2f} |")
+    return lines
 
 
 def llada2_mini(repeats: int) -> list[str]:
@@ -263,14 +342,17 @@ def llada2_mini(repeats: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="table,mixed,overhead,prefix")
+    ap.add_argument("--parts", default="table,mixed,overhead,prefix",
+                    help="any of table, mixed, overhead, prefix, buffer, admission (the last two: issue 18, 60m)")
     ap.add_argument("--size", default="tiny", help="model of the table: tiny | small | 60m (hf_baseline.SIZES)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tau", type=float, default=0.3, help="tau_m2t of every system")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--blocks", default="4,32")
     ap.add_argument("--prompts", default="64,1024")
-    ap.add_argument("--steps", type=int, default=40, help="steps of the overhead and prefix parts")
+    ap.add_argument("--steps", type=int, default=40, help="steps of the overhead, prefix and admission parts")
+    ap.add_argument("--new", type=int, default=64, help="new tokens per request (buffer part)")
+    ap.add_argument("--temper", type=float, default=TEMPER, help="LM-head scale of the random model (buffer part)")
     ap.add_argument("--llada2-mini", action="store_true", help="GPU only: the LLaDA2-Mini-shaped part alone")
     args = ap.parse_args(argv)
     if args.llada2_mini:
@@ -294,6 +376,17 @@ def main(argv: list[str] | None = None) -> int:
         for batch in (1, 16):
             o = overhead("60m", batch, 4, 1, 64, args.tau, args.steps)
             print(f"  batch {batch:2d}: wall {o['wall']:.3f}  thread-CPU {o['cpu']:.3f}  ({o['steps']} steps)", flush=True)
+    if "buffer" in parts:
+        lines = buffer_cost(args.size, args.tau, args.repeats, ints(args.blocks), ints(args.batches), args.temper,
+                            args.new)
+        print(f"\nBlock Buffer cost vs N_buf=1, {args.size} model (head tempered x{args.temper:g}), tau_m2t {args.tau}, "
+              f"{args.new} new tokens\n"
+              + "\n".join(lines), flush=True)
+    if "admission" in parts:
+        for block, n_buf in ((4, 2), (32, 2)):
+            lines = admission("60m", block, n_buf, args.tau, (16, 64, 256, 1024), args.steps)
+            print(f"\nadmitting a 1,024-token prompt while one row decodes (60m, B={block}, N_buf={n_buf}, batch 1)\n"
+                  + "\n".join(lines), flush=True)
     if "prefix" in parts:
         p = prefix_latency("60m", 4, args.tau, args.steps)
         print(f"\nprefix, 60m model, SingleBD B=4, batch 1: step {p['ms64']:.1f} ms (prompt 64) vs {p['ms1024']:.1f} ms "

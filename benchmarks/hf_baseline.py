@@ -46,15 +46,17 @@ SIZES = {
 TEMPER = 10.0  # lm_head scale: a random model becomes confident enough that M2T accepts several tokens at once
 
 
-def random_sdar(size: str, block: int, max_len: int = 2048, seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
+def random_sdar(size: str, block: int, max_len: int = 2048, seed: int = 0,
+                temper: float = TEMPER) -> tuple[torch.nn.Module, ModelConfig]:
     """A random, tempered SDAR model whose EOS row of the LM head is zero (logit 0 never wins against the
-    tempered maximum), so every request decodes its full token budget and runs are comparable."""
+    tempered maximum), so every request decodes its full token budget and runs are comparable. `temper`
+    scales the head: the larger, the more positions pass tau_m2t per forward (a higher, trained-like TPF)."""
     v = SIZES[size]["vocab_size"]
     cfg = ModelConfig(family="sdar", mask_token_id=v - 1, eos_token_id=v - 2, pad_token_id=v - 2, block_size=block,
                       max_position_embeddings=max_len, rms_norm_eps=1e-6, **SIZES[size])
     model = build_model(cfg, seed=seed).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(TEMPER)
+        model.lm_head.weight.mul_(temper)
         model.lm_head.weight[cfg.eos_token_id].zero_()
     return model, cfg
 

@@ -1,11 +1,13 @@
 """The Block Buffer MultiBD engine (alg:optimized_multibd): the public decoding API of the project.
 
-One `step()` = admit waiting requests (prefill) -> ONE static-shape forward over every batch slot's Block
-Buffer -> vectorised M2T / T2T token updates -> one device-to-host transfer of the tokens and per-slot
-counts -> per-request host bookkeeping in plain ints (TO_CACHE marking, emit final tokens, finish,
-activation) -> in place on the device: slide the buffers past the committed blocks, and (when any changed)
-upload slot states and committed lengths in one copy. The CLI, the eval sweeps and the HTTP service all
-drive this object; `generate` and `stream` are convenience drivers of the same loop.
+One `step()` = admit waiting requests into free rows -> ONE static-shape forward over every decoding row's
+Block Buffer, carrying up to `prefill_budget` prompt tokens of admitted rows (chunked prefill; with no row
+decoding a prompt is prefilled at once) -> logits for the ACTIVE slots only -> vectorised M2T / T2T token
+updates -> one device-to-host transfer of the tokens and per-slot counts -> per-request host bookkeeping in
+plain ints (TO_CACHE marking, emit final tokens, finish, activation) -> in place on the device: slide the
+buffers past the committed blocks, and (when any changed) upload slot states and committed lengths in one
+copy. The CLI, the eval sweeps and the HTTP service all drive this object; `generate` and `stream` are
+convenience drivers of the same loop.
 
 Per-request params (`add_request(params=...)`): a full DecodeConfig or a mapping of overrides of the
 engine's config; buffer_size may not exceed the engine's compiled buffer_size, block_size must be the
@@ -30,7 +32,7 @@ from torch import nn
 
 from mbd.config import ConfigError, DecodeConfig, validate
 from mbd.decoding.policy import Sampler, policy_for
-from mbd.decoding.runner import ModelRunner
+from mbd.decoding.runner import ModelRunner, PrefillChunk
 from mbd.decoding.scheduler import Scheduler
 from mbd.decoding.state import BatchBuffers, Request, RequestParams, SlotState
 from mbd.decoding.trace import step_entry
@@ -68,9 +70,14 @@ class GenerationResult(BaseModel):
 @dataclass
 class EngineStats:
     steps: int = 0
-    step_s: float = 0.0  # decode steps (forward + decisions + bookkeeping), prefill excluded
-    prefills: int = 0
+    step_s: float = 0.0  # decode steps (forward + decisions + bookkeeping, chunks of prefill riding in them)
+    prefills: int = 0  # prompts prefilled on their own (no row was decoding)
     prefill_s: float = 0.0
+    prefill_tokens: int = 0  # prompt tokens run through the model, alone or as chunks of decode steps
+    chunked_steps: int = 0  # decode steps that also carried prompt chunks
+    positions_run: int = 0  # query positions of decode forwards (batch bucket x slots run x B)
+    resident_positions: int = 0  # of those, positions of resident (ACTIVE / TO_CACHE) slots of decoding rows
+    logit_rows: int = 0  # positions whose logits the head computed (ACTIVE windows, padding included)
 
 
 def power_of_two_buckets(rows: int) -> tuple[int, ...]:
@@ -85,9 +92,11 @@ class Engine:
     def __init__(self, model: nn.Module, tokenizer: Tokenizer | None, cfg: DecodeConfig, max_batch_slots: int = 8,
                  device: torch.device | str | None = None, trace: bool = False,
                  batch_buckets: Sequence[int] | None = None, use_cuda_graphs: bool | None = None,
-                 prefill_chunk: int = 512, attention: str = "sdpa"):
+                 prefill_chunk: int = 512, attention: str = "sdpa", prefill_budget: int = 64):
         """attention: "sdpa" (dense bool masks over the key span) or "flex" (FlexAttention BlockMasks that skip
-        key blocks past each row's visible region; compiled on GPU)."""
+        key blocks past each row's visible region; compiled on GPU). prefill_budget: prompt tokens a decode
+        step may carry (chunked prefill) while rows are decoding, rounded down to whole blocks (at least one);
+        with no row decoding a prompt is prefilled at once, `prefill_chunk` tokens per forward."""
         mcfg = model.cfg
         self.block = mcfg.block_size
         if cfg.block_size not in (None, self.block):
@@ -112,6 +121,7 @@ class Engine:
                                   tuple(batch_buckets or power_of_two_buckets(max_batch_slots)), graphs, prefill_chunk,
                                   attention)
         self.sched = Scheduler(max_batch_slots)
+        self.prefill_budget = max(self.block, prefill_budget // self.block * self.block)
         # per row: slot states + committed cache length, as last written to the device
         self._host_rows = [self.buf.slot_states(0, 0, self.n_buf) + [0] for _ in range(max_batch_slots)]
         self.stats = EngineStats()
@@ -165,6 +175,9 @@ class Engine:
 
     # ----------------------------------------------------------------- the step loop
     def step(self) -> list[StepOutput]:
+        """Admit waiting requests into free rows, then one decode forward. A row's prompt is prefilled at once
+        when no row is decoding (nobody waits), otherwise in block-aligned chunks of at most `prefill_budget`
+        tokens per step that ride in the decode forward, so admitting a long prompt never stalls decoding."""
         outs = []
         with torch.inference_mode():
             for req in self.sched.take_aborted():
@@ -172,20 +185,53 @@ class Engine:
                     self._release(req.row)
                 outs.append(self._finish(req, "abort", []))
             for req in self.sched.admit():
-                self._start(req)
+                if req.aligned_len == 0:  # nothing to prefill: the prompt is all in the first block
+                    self._activate(req)
+            if not any(r.decoding for r in self.sched.running.values()):
+                for req in list(self.sched.running.values()):
+                    self._prefill_rest(req)
             if self.sched.running:
                 outs += self._decode()
         return outs
 
-    def _start(self, req: Request) -> None:
+    def _prefill_rest(self, req: Request) -> None:
         t = time.perf_counter()
-        self.runner.prefill(req.row, req.prompt_ids[: req.aligned_len])
+        self.runner.prefill(req.row, req.prompt_ids[req.cache_len: req.aligned_len], req.cache_len)
+        self.stats.prefills += 1
+        self.stats.prefill_tokens += req.aligned_len - req.cache_len
+        self._activate(req)
+        self.stats.prefill_s += time.perf_counter() - t
+
+    def _activate(self, req: Request) -> None:
+        """The prompt's block-aligned part is committed: the row starts decoding its first block."""
         self.buf.load_row(req.row, req.prompt_ids[req.aligned_len:], req.prompt_len, req.params,
                           self.policy.semi_max_masked(req.params.tau_semi))
-        req.cache_len, req.n_res, req.n_tc = req.aligned_len, 1, 0
+        req.cache_len, req.n_res, req.n_tc, req.decoding = req.aligned_len, 1, 0, True
         self._host_rows[req.row] = self.buf.slot_states(0, 1, self.n_buf) + [req.aligned_len]
-        self.stats.prefills += 1
-        self.stats.prefill_s += time.perf_counter() - t
+        self.runner.invalidate()
+
+    def _chunks(self) -> list[tuple[Request, PrefillChunk]]:
+        """Prompt chunks for this step: prefilling rows in admission order, `prefill_budget` tokens in all."""
+        out, left = [], self.prefill_budget
+        for req in self.sched.running.values():
+            if left == 0:
+                break
+            if not req.decoding:
+                n = min(left, req.aligned_len - req.cache_len)
+                out.append((req, PrefillChunk(req.row, req.cache_len, req.prompt_ids[req.cache_len: req.cache_len + n])))
+                left -= n
+        return out
+
+    def _commit_chunks(self, chunks: list[tuple[Request, PrefillChunk]]) -> None:
+        for req, c in chunks:
+            req.cache_len += len(c.ids)
+            self.runner.cache.commit(req.row, len(c.ids))
+            self._host_rows[req.row][-1] = req.cache_len
+            self.stats.prefill_tokens += len(c.ids)
+            if req.cache_len == req.aligned_len:
+                self._activate(req)
+        self.stats.chunked_steps += 1
+        self.runner.invalidate()  # a prefilling row inside the decode bucket moved
 
     def _release(self, row: int) -> None:
         """Free a row; its committed length drops to 0 so that it no longer widens the key span."""
@@ -196,35 +242,58 @@ class Engine:
 
     def _decode(self) -> list[StepOutput]:
         t0 = time.perf_counter()
-        running = list(self.sched.running.items())
-        b = self.runner.bucket(self.sched.rows_needed())
-        # slots run: the resident prefix of the fullest row (trailing DUMMY slots of every row are skipped)
+        running = [(row, r) for row, r in self.sched.running.items() if r.decoding]
+        b = self.runner.bucket(max(row for row, _ in running) + 1)
+        # slots run: the resident prefix of the fullest row (trailing DUMMY slots of every row are skipped);
+        # logits: a window of A slots per row, A = the most ACTIVE slots of any row
         S = max(r.n_res for _, r in running)
+        A = max(r.n_res - r.n_tc for _, r in running)
+        if any(r.generator is not None for _, r in running):
+            A = S  # sampling draws one number per position it is given: keep the draws as before, all slots run
         buf, B, Q = self.buf, self.block, S * self.block
+        chunks = self._chunks()
 
-        logits = self.runner.forward(b, S, self.runner.span(max(r[-1] for r in self._host_rows[:b]), S))
-        fixed = None
-        if any(r.cache_len < r.prompt_len for _, r in running):  # a prompt tail is still in a buffer
-            fixed = self.runner.positions(b, S) < buf.prompt_len[:b, None]
-        t2t = buf.tau_t2t[:b] if any(r.params.tau_t2t is not None for _, r in running) else None
-        samplers = [Sampler(row, r.params.temperature, r.generator) for row, r in running if r.generator is not None]
-        dec = self.policy.update(logits, buf.tokens[:b, :Q], buf.state[:b, :S], buf.tau_m2t[:b],
-                                 buf.semi_max_masked[:b], fixed, t2t, samplers)
-        parts = [dec.tokens, dec.masked_in, dec.accepted] + ([dec.revised] if t2t is not None else [])
+        span = self.runner.span(max(r.cache_len for _, r in running), S)
+        logits, idx = self.runner.forward(b, S, span, A, [c for _, c in chunks])
+        tokens = buf.tokens[:b, :Q]
+        parts, t2t = [], None
+        has_t2t = any(r.params.tau_t2t is not None for _, r in running)
+        if A:
+            fixed = None
+            if any(r.cache_len < r.prompt_len for _, r in running):  # a prompt tail is still in a buffer
+                fixed = self.runner.positions(b, S).gather(1, idx) < buf.prompt_len[:b, None]
+            t2t = buf.tau_t2t[:b] if has_t2t else None
+            samplers = [Sampler(row, r.params.temperature, r.generator) for row, r in running
+                        if r.generator is not None]
+            slots = idx[:, ::B] // B
+            dec = self.policy.update(logits, tokens.gather(1, idx), buf.state[:b].gather(1, slots), buf.tau_m2t[:b],
+                                     buf.semi_max_masked[:b], fixed, t2t, samplers)
+            tokens = tokens.scatter(1, idx, dec.tokens)
+            parts = [dec.masked_in, dec.accepted] + ([dec.revised] if t2t is not None else [])
         if self.trace:
             parts.append(buf.state[:b])  # forward-time states
-        summary = torch.cat(parts, 1).tolist()  # the step's single device -> host transfer
+        summary = torch.cat([tokens, *parts], 1).tolist()  # the step's single device -> host transfer
         pops = [0] * b  # the TO_CACHE slots this forward re-ran are committed and popped
         for row, req in running:
             pops[row] = req.n_tc
-        buf.store_tokens(dec.tokens, pops)
+        buf.store_tokens(tokens, pops)
+        if chunks:
+            self._commit_chunks(chunks)
+        self.stats.positions_run += b * Q
+        self.stats.resident_positions += B * sum(r.n_res for _, r in running)
+        self.stats.logit_rows += b * A * B
 
         outs, done, dirty, moved = [], [], False, False
         for row, req in running:
             s = summary[row]
-            toks, masked_in = s[:Q], s[Q:Q + S]
-            filled, unchanged = self.policy.counts(masked_in, s[Q + S:Q + 2 * S],
-                                                   s[Q + 2 * S:Q + 3 * S] if t2t is not None else None)
+            toks = s[:Q]
+            # per slot of the run: window slots [lo, lo + A) from the device, TO_CACHE before, DUMMY after
+            lo, k = min(req.n_tc, S - A), Q + A
+            pad = [B] * (S - lo - A)
+            masked_in = [0] * lo + s[Q:k] + pad
+            accepted = [0] * lo + s[k:k + A] + [0] * len(pad)
+            revised = [0] * lo + s[k + A:k + 2 * A] + [0] * len(pad) if has_t2t else None
+            filled, unchanged = self.policy.counts(masked_in, accepted, revised)
             if req.trace is not None:  # skipped DUMMY slots: all masks
                 req.trace.append(step_entry(s[-self.n_buf:], masked_in + [B] * (self.n_buf - S), req.cache_len, B))
             req.nfe += 1

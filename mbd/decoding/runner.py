@@ -17,16 +17,25 @@ slots of each row, k = the most resident slots of any row (resident slots are a 
 slots are skipped). Span: attention reads keys [0, span) only, span = the longest row's committed length
 + k * B rounded up by `span_bucket` (so every token's own key is inside), never the whole
 `max_len + margin` allocation: a step costs what the live prefix and the live blocks cost. Within a
-(batch, slots, span) bucket the shapes never change, so on CUDA the forward is captured once per bucket
-triple and replayed; on CPU it runs eagerly through the same function.
+(batch, slots, span, active) bucket the shapes never change, so on CUDA the forward is captured once per
+bucket and replayed; on CPU it runs eagerly through the same function.
 Masks come from small index tensors: a dense [b, 1, Q, span] bool mask for SDPA (the reference), or a
 FlexAttention BlockMask whose per-row key-block counts stop at the row's last visible key (`attention="flex"`).
+
+Logits: only ACTIVE slots' logits are ever read, so the head (and the policy's vocabulary softmax) runs on a
+window of `active` slots per row (`window`; active = the most ACTIVE slots of any row, one more bucket axis):
+TO_CACHE slots being stored and DUMMY slots get none unless they pad a row with fewer ACTIVE slots, and a
+forward whose rows only store (SingleBD's store forward) runs no head at all; neither does a prefill.
+Chunked prefill: prompt chunks of other rows ride in the decode forward (`_fused`): one pass over the weights
+for all tokens, attention per segment (eager; on GPU such steps are not graph-captured).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,6 +43,7 @@ from torch import nn
 from mbd.config import ModelConfig
 from mbd.decoding.state import BatchBuffers, SlotState
 from mbd.model import KVCache
+from mbd.model.base import Segment, Segments
 from mbd.model.masks import decode_block_mask
 from mbd.model.tp import SINGLE
 
@@ -45,6 +55,15 @@ def span_bucket(need: int, size: int) -> int:
     set of O(log size) values (one CUDA Graph each), capped at the cache size."""
     step = max(SPAN_MIN, (1 << (max(need, 1).bit_length() - 1)) // 4)
     return min(size, -(-need // step) * step)
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens `ids` (block-aligned) of cache row `row`, placed at absolute positions start, start + 1, ..."""
+
+    row: int
+    start: int
+    ids: list[int]
 
 
 def graph_capturable(model: nn.Module) -> bool:
@@ -77,7 +96,7 @@ class ModelRunner:
             warnings.warn("CUDA Graphs disabled: this model's MoE routing is not capturable; running eagerly")
             use_graphs = False
         self.use_graphs = use_graphs
-        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._inputs: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # eager: (positions, mask)
         self.shapes: Counter[tuple[int, int, int]] = Counter()  # (batch, Q, span) of every decode forward
 
@@ -101,21 +120,31 @@ class ModelRunner:
         """Committed lengths or resident slots changed: positions and masks must be rebuilt."""
         self._inputs.clear()
 
-    def forward(self, b: int, slots: int, span: int) -> torch.Tensor:
-        """Logits [b, slots * B, V] of the first `slots` Block Buffer slots of rows [0, b) against keys
-        [0, span) (`span(...)`; a static output buffer under graphs)."""
-        key = (b, slots, span)
+    def forward(self, b: int, slots: int, span: int, active: int,
+                chunks: Sequence[PrefillChunk] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [b, active * B, V], window [b, active * B]) of the first `slots` Block Buffer slots of rows
+        [0, b) against keys [0, span) (`span(...)`): logits only for each row's window of `active` slots
+        starting at its first ACTIVE slot (`window`: positions in the row's buffer; static outputs under
+        graphs). `chunks`: prompt chunks of other rows computed in the same forward (eager)."""
+        key = (b, slots, span, active)
         self.shapes[(b, slots * self.block, span)] += 1
+        if chunks:
+            return self._fused(key, chunks)
         if not self.use_graphs:
-            if key not in self._inputs:  # most steps change neither lengths nor resident slots: reuse
-                self._inputs[key] = self._positions_and_mask(*key)
-            pos, mask = self._inputs[key]
-            return self.model(self.buf.tokens[:b, : slots * self.block], pos, mask, cache=self.view(b, span))
+            return self._step(*key, cached=True)
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)
         graph, out = self._graphs[key]
         graph.replay()
         return out
+
+    def window(self, b: int, slots: int, active: int) -> torch.Tensor:
+        """Buffer positions [b, active * B] of slots [start, start + active), start = the row's TO_CACHE count
+        capped at slots - active: they cover every ACTIVE slot of a row with <= active of them (TO_CACHE slots
+        are a prefix, DUMMY slots a suffix of the resident ones), so only padding is not ACTIVE."""
+        n_tc = (self.buf.state[:b, :slots] == SlotState.TO_CACHE).sum(1)
+        start = n_tc.clamp(max=slots - active)
+        return start[:, None] * self.block + self._arange_q[: active * self.block]
 
     def _positions_and_mask(self, b: int, slots: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = self.cache.lengths[:b]
@@ -133,38 +162,75 @@ class ModelRunner:
         m = (kv_block <= pos // self.block) & (kv < visible.view(-1, 1, 1))
         return (m | (kv == pos)).unsqueeze(1)
 
-    def _step(self, b: int, slots: int, span: int) -> torch.Tensor:
-        pos, mask = self._positions_and_mask(b, slots, span)
-        return self.model(self.buf.tokens[:b, : slots * self.block], pos, mask, cache=self.view(b, span))
+    def _step(self, b: int, slots: int, span: int, active: int, cached: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if not cached:
+            pos, mask = self._positions_and_mask(b, slots, span)
+        else:  # most steps change neither lengths nor resident slots: reuse
+            if (b, slots, span) not in self._inputs:
+                self._inputs[(b, slots, span)] = self._positions_and_mask(b, slots, span)
+            pos, mask = self._inputs[(b, slots, span)]
+        idx = self.window(b, slots, active)
+        logits = self.model(self.buf.tokens[:b, : slots * self.block], pos, mask, cache=self.view(b, span),
+                            logits_at=idx)
+        return logits, idx
 
-    def _capture(self, b: int, slots: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _fused(self, key: tuple[int, int, int, int], chunks: Sequence[PrefillChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step and prompt chunks of other rows in ONE forward (chunked prefill): the linear layers
+        (the weights) are read once for all tokens, attention runs per segment. A prefilling row inside the
+        decode bucket is all DUMMY there; its chunk segment comes after the decode segment, so the chunk's
+        K/V overwrite that row's scratch K/V at the same positions. The caller commits the chunks."""
+        b, slots, span, active = key
+        Q = slots * self.block
+        if key[:3] not in self._inputs:
+            self._inputs[key[:3]] = self._positions_and_mask(b, slots, span)
+        pos, mask = self._inputs[key[:3]]
+        parts = [Segment(b, Q, self.view(b, span), mask, pos)]
+        ids, all_pos = [self.buf.tokens[:b, :Q].reshape(1, -1)], [pos.reshape(1, -1)]
+        dev = pos.device
+        for c in chunks:
+            end = c.start + len(c.ids)
+            cpos = torch.arange(c.start, end, device=dev)[None]
+            cmask = self.mask(cpos, torch.tensor([end], device=dev), end)
+            parts.append(Segment(1, len(c.ids), self.cache.view(c.row, c.row + 1, end), cmask, cpos))
+            ids.append(torch.tensor(c.ids, device=dev)[None])
+            all_pos.append(cpos)
+        idx = self.window(b, slots, active)
+        flat_idx = (torch.arange(b, device=dev)[:, None] * Q + idx).view(1, -1)
+        logits = self.model(torch.cat(ids, 1), torch.cat(all_pos, 1), None, cache=Segments(tuple(parts)),
+                            logits_at=flat_idx)
+        return logits.view(b, active * self.block, logits.shape[-1]), idx
+
+    def _capture(self, b: int, slots: int, span: int,
+                 active: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
         # Warm-up runs only rewrite scratch K/V (positions >= lengths), which every forward rewrites anyway.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step(b, slots, span)
+                self._step(b, slots, span, active)
         torch.cuda.current_stream().wait_stream(side)
         # Each bucket gets its own memory pool: buckets are captured lazily in any order and replayed in any
         # order, so a shared pool could hand one graph's static output to another graph's scratch.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._step(b, slots, span)
+            out = self._step(b, slots, span, active)
         return graph, out
 
-    def prefill(self, row: int, ids: list[int]) -> None:
-        """Run the block-aligned prompt part through the model into cache row `row` and commit it
-        (chunked: each chunk sees the committed chunks and itself block-causally)."""
+    def prefill(self, row: int, ids: list[int], start: int = 0) -> None:
+        """Run prompt tokens `ids` (block-aligned, placed at `start`, after the committed [0, start) of cache row
+        `row`) through the model and commit them, in chunks that each see the committed ones and themselves
+        block-causally. No logits: the head does not run."""
         self.invalidate()
-        self.cache.reset(row)
+        self.cache.lengths[row] = start
         if not ids:
             return
         dev = self.cache.lengths.device
         all_ids = torch.tensor(ids, device=dev)[None]
-        for start in range(0, len(ids), self.prefill_chunk):
-            chunk = all_ids[:, start:start + self.prefill_chunk]
-            n = chunk.shape[1]
-            pos = torch.arange(start, start + n, device=dev)[None]
-            mask = self.mask(pos, torch.tensor([start + n], device=dev), start + n)
-            self.model(chunk, pos, mask, cache=self.cache.view(row, row + 1, start + n))
+        none = torch.zeros(1, 0, dtype=torch.long, device=dev)
+        for off in range(0, len(ids), self.prefill_chunk):
+            chunk = all_ids[:, off:off + self.prefill_chunk]
+            a, n = start + off, chunk.shape[1]
+            pos = torch.arange(a, a + n, device=dev)[None]
+            mask = self.mask(pos, torch.tensor([a + n], device=dev), a + n)
+            self.model(chunk, pos, mask, cache=self.cache.view(row, row + 1, a + n), logits_at=none)
             self.cache.commit(row, n)

@@ -117,7 +117,8 @@ class Request:
     params: RequestParams
     block: int
     row: int = -1
-    cache_len: int = 0  # committed prefix length (mirror of cache.lengths[row])
+    cache_len: int = 0  # committed prefix length (mirror of cache.lengths[row]); < aligned_len while prefilling
+    decoding: bool = False  # the aligned prompt is committed and the Block Buffer runs
     n_res: int = 0  # resident (ACTIVE + TO_CACHE) slots
     n_tc: int = 0  # TO_CACHE slots (a prefix of the resident ones)
     nfe: int = 0

@@ -1,10 +1,16 @@
 """The forward pass shared by both families: embed -> decoder layers -> norm -> head.
 
 One implementation serves training (mask over the whole input, no cache) and inference (queries are the
-Block Buffer tokens, keys are the whole static KV cache row, which the forward also writes).
+Block Buffer tokens, keys are the cached prefix of their row, which the forward also writes). At inference
+the head runs only on the positions whose logits are read (`logits_at`): a decode step needs them for its
+ACTIVE slots only, a prefill for none, and the LM head plus the policy's vocabulary softmax is a large part
+of a small model's step. `Segments` lets one forward carry several groups of rows (the decode batch and a
+prefill chunk of another request): the linear layers run once over all tokens, attention per group.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -13,6 +19,24 @@ from mbd.config import ModelConfig
 from mbd.model.cache import KVCache
 from mbd.model.layers import attend, rope_cos_sin
 from mbd.model.tp import TPGroup
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`rows` x `width` consecutive tokens of a flat [1, N] input that attend as rows of `cache` under `mask`."""
+
+    rows: int
+    width: int
+    cache: KVCache
+    mask: object
+    pos: torch.Tensor  # [rows, width]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Passed as the forward's `cache` (with mask None): the input is [1, sum(rows * width)] tokens."""
+
+    parts: tuple[Segment, ...]
 
 
 class CausalLMBase(nn.Module):
@@ -28,19 +52,42 @@ class CausalLMBase(nn.Module):
             self.lm_head.weight = self.model.embedding.weight
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | Segments | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [b, n, V]; with `logits_at` (an index [b, m] into the n positions) only those [b, m, V]
+        (m = 0: the head does not run)."""
         h = self.model.embedding(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.cfg.rotary_dim, self.cfg.rope_theta, h.dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, mask, cache, i, position_ids)
+        if logits_at is not None:
+            if logits_at.shape[1] == 0:
+                return h.new_empty(h.shape[0], 0, self.cfg.vocab_size)
+            h = h.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
         return self.lm_head(self.model.norm(h))
 
 
-def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cache: KVCache | None,
+def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cache: KVCache | Segments | None,
                    layer: int, pos: torch.Tensor) -> torch.Tensor:
     """q [b,h,n,d], k/v [b,kvh,n,d]; with a cache, k/v are written at `pos` and attention runs over the row."""
+    if isinstance(cache, Segments):
+        return _segmented_attention(q, k, v, cache, layer)
     if cache is not None:
         cache.write(layer, k, v, pos)
         k, v = cache.read(layer)
     o = attend(q, k, v, mask)
     return o.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+def _segmented_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs: Segments, layer: int) -> torch.Tensor:
+    """Flat [1, h, N, d] projections cut into each segment's [rows, h, width, d], attended against its cache."""
+    outs, o = [], 0
+    for s in segs.parts:
+        n = s.rows * s.width
+
+        def cut(x: torch.Tensor) -> torch.Tensor:
+            return x[0, :, o:o + n].unflatten(1, (s.rows, s.width)).transpose(0, 1)
+
+        out = self_attention(cut(q), cut(k), cut(v), s.mask, s.cache, layer, s.pos)
+        outs.append(out.reshape(1, n, -1))
+        o += n
+    return torch.cat(outs, 1)

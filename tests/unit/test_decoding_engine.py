@@ -261,11 +261,12 @@ def test_span_forward_equals_full_cache_forward():
     runner = engine.runner
     with torch.inference_mode():
         n_buf = engine.n_buf
-        short = runner.forward(2, n_buf, runner.span(int(runner.cache.lengths.max()), n_buf)).clone()
+        # a window of all n_buf slots starts at slot 0: logits of every position
+        short = runner.forward(2, n_buf, runner.span(int(runner.cache.lengths.max()), n_buf), n_buf)[0].clone()
         runner.invalidate()
-        full = runner.forward(2, n_buf, runner.cache.size).clone()
+        full = runner.forward(2, n_buf, runner.cache.size, n_buf)[0].clone()
         runner.invalidate()
-        first = runner.forward(2, 1, runner.span(int(runner.cache.lengths.max()), 1))
+        first = runner.forward(2, 1, runner.span(int(runner.cache.lengths.max()), 1), 1)[0]
     assert runner.span(int(runner.cache.lengths.max()), n_buf) < runner.cache.size
     torch.testing.assert_close(short, full, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(first, full[:, :4], atol=1e-10, rtol=1e-10)  # a slot's logits ignore later slots
@@ -305,3 +306,73 @@ def test_flex_engine_equals_sdpa_engine():
     sdpa = Engine(model, None, dc, max_batch_slots=2)
     a, b = flex.generate(PROMPTS[::2]), sdpa.generate(PROMPTS[::2])
     assert [r.token_ids for r in a] == [r.token_ids for r in b] and [r.nfe for r in a] == [r.nfe for r in b]
+
+
+def head_rows_per_step(engine, prompts):
+    """Run `prompts` (all added at once) step by step; per step, the positions the LM head computed."""
+    rows: list[int] = []
+    hook = engine.model.lm_head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1].numel()))
+    reqs = [engine._add(p, None, None) for p in prompts]
+    per_step = []
+    try:
+        while engine.has_unfinished():
+            rows.clear()
+            engine.step()
+            per_step.append(sum(rows))
+    finally:
+        hook.remove()
+    return reqs, per_step
+
+
+def test_logits_only_for_active_slots(family):
+    """The head runs on ACTIVE slots' positions only: at batch 1 exactly B per ACTIVE slot of the forward
+    (none for TO_CACHE slots being stored, none for DUMMY slots, none for the prefill); in a batch, the
+    window of the row with the most ACTIVE slots, per row. Decisions stay the naive reference's."""
+    model, cfg = tempered_model(family)
+    dc = dcfg(tau_m2t=0.1)
+    engine = Engine(model, None, dc, max_batch_slots=1, trace=True)
+    naive = NaiveMultiBD(model, dc, [cfg.eos_token_id])
+    for prompt in PROMPTS:
+        (req,), per_step = head_rows_per_step(engine, [prompt])
+        states = [e["states"] for e in req.trace]
+        assert per_step == [4 * s.count("ACTIVE") for s in states]
+        assert any("TO_CACHE" in s for s in states) and sum(per_step) < 4 * sum(len(s) - s.count("DUMMY") for s in states)
+        assert req.output == naive.generate(prompt).token_ids
+    engine = Engine(model, None, dc, max_batch_slots=2, trace=True)
+    reqs, per_step = head_rows_per_step(engine, PROMPTS[:2])
+    counts = [[e["states"].count("ACTIVE") for e in r.trace] for r in reqs]
+    steps = max(map(len, counts))
+    want = [2 * 4 * max(c[i] if i < len(c) else 0 for c in counts) if i < min(map(len, counts)) else
+            4 * max(c[i] for c in counts if i < len(c)) for i in range(steps)]
+    assert per_step == want
+    assert engine.stats.logit_rows == sum(want) < engine.stats.positions_run
+
+
+@pytest.mark.parametrize("first_budget,join_step,row", [(None, 3, 2), (6, 12, 0)])
+def test_chunked_prefill_never_stalls_decoding(family, first_budget, join_step, row):
+    """A long prompt admitted mid-run is prefilled in chunks of at most prefill_budget tokens carried by the
+    decode steps: the decoding rows emit the same tokens as without it, no step prefills on its own while
+    rows decode, and the new request decodes what it decodes alone. Its row lies past the decode batch
+    bucket, or (row 0, freed by a finished request) inside it as an all-DUMMY row."""
+    model, _ = tempered_model(family)
+    model.cfg = tiny_cfg(family, max_position_embeddings=1024)
+    dc = dcfg(max_length=400, max_new_tokens=40, tau_m2t=0.1)
+    long_prompt = [(7 * i + 3) % 60 for i in range(131)]  # 128 tokens prefilled, a 3-token tail
+    early = [(0, PROMPTS[0], first_budget and {"max_new_tokens": first_budget}), (0, PROMPTS[3], {"buffer_size": 2, "max_new_tokens": 80})]
+    alone = Engine(model, None, dc, max_batch_slots=3)
+    ids0, out0, _ = run_batch_with_joins(alone, early)
+    engine = Engine(model, None, dc, max_batch_slots=3, prefill_budget=18)  # 16: whole blocks
+    chunk_sizes: list[int] = []
+    fused = engine.runner._fused
+    engine.runner._fused = lambda key, chunks: (chunk_sizes.append(sum(len(c.ids) for c in chunks)), fused(key, chunks))[1]
+    rows = []
+    activate = engine._activate
+    engine._activate = lambda req: (rows.append(req.row), activate(req))[1]
+    ids, out, _ = run_batch_with_joins(engine, early + [(join_step, long_prompt, None)])
+    assert rows[-1] == row
+    assert [out[i] for i in ids][:2] == [out0[i] for i in ids0]
+    assert engine.stats.prefills == 2 and engine.stats.chunked_steps == len(chunk_sizes) == 8  # 2: at step 0
+    assert chunk_sizes == [16] * 8 and engine.stats.prefill_tokens == 8 + 16 + 128
+    ref = NaiveMultiBD(model, dc, [model.cfg.eos_token_id]).generate(long_prompt)
+    assert out[list(ids)[2]] == ref.token_ids
+    assert engine.sched.running == {} and not engine.has_unfinished()
