@@ -84,6 +84,13 @@ class Sampler:
     top_p: float = 1.0
     top_k: int = 0
 
+    def step_generator(self) -> torch.Generator:
+        """A generator for this step's draws, seeded by ONE draw from the request's generator: the forward
+        covers as many positions as the fullest row of the batch has, and positions past the request's own
+        must not consume its random stream (else its samples would depend on what else is batched)."""
+        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.generator.device))
+        return torch.Generator(device=self.generator.device).manual_seed(seed)
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """[Q, V] logits -> the distribution this row samples from."""
         z = logits.float() / self.temperature
@@ -149,7 +156,7 @@ class Policy:
         conf, x0 = logits.float().softmax(-1).max(-1)
         for s in samplers:
             p = s.probs(logits[s.row])
-            x = torch.multinomial(p, 1, generator=s.generator)
+            x = torch.multinomial(p, 1, generator=s.step_generator())
             x0[s.row] = x[:, 0]
             conf[s.row] = p.gather(1, x)[:, 0]
         return conf, x0
