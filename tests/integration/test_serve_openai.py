@@ -18,8 +18,10 @@ from mbd.decoding import Engine
 from mbd.model import load_checkpoint
 from mbd.tiny.vocab import special_token_ids
 from mbd.tokenizer import Tokenizer
-from serve_app.config import ServeConfig
-from tests.integration.test_serve_units import DECODE, make_checkpoint
+from mbd.eval.math_scoring import score_gsm8k
+from mbd.tiny.task import generate as tiny_problems
+from serve_app.config import ServeConfig, load_serve_config
+from tests.integration.test_serve_units import DECODE, REPO, make_checkpoint
 
 MODEL = "mbd-oai"
 SLOTS = 8
@@ -54,8 +56,12 @@ def base(ray_cluster, ckpt):
         "limits": {"default_max_tokens": 16},
         "decoder": {"max_ongoing_requests": 32, "max_queued_requests": 256, "health_check_period_s": 2},
     })
+    tiny = load_serve_config(REPO / "configs" / "serve" / "tiny.yaml")
+    tiny = tiny.model_copy(update={"model": tiny.model.model_copy(update={"path": str(tiny.model.resolved_path()),
+                                                                          "num_cpus_per_rank": 0.1})})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"serve_config": cfg}), name="oai", route_prefix="/oai")
+    serve.run_many([serve.RunTarget(build_app({"serve_config": cfg}), name="oai", route_prefix="/oai"),
+                    serve.RunTarget(build_app({"serve_config": tiny}), name="tiny", route_prefix="/tiny")])
     yield f"http://127.0.0.1:{port}/oai"
     serve.shutdown()
 
@@ -291,6 +297,65 @@ def test_openapi_lists_real_status_codes(base):
         assert set(op["responses"]) == {"200", "400", "401", "404", "413", "503"}
         assert "text/event-stream" in op["responses"]["200"]["content"]
     assert "HTTPValidationError" not in spec.get("components", {}).get("schemas", {})
+
+
+# ---------------------------------------------------------------- lm-evaluation-harness against the tiny model
+
+TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{text}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n\\n"]
+  max_gen_toks: 64
+  do_sample: false
+filter_list:
+  - name: strict
+    filter:
+      - function: regex
+        regex_pattern: "#### (\\\\-?[0-9]+)"
+      - function: take_first
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+@pytest.mark.parametrize("model_type", ["local-completions", "local-chat-completions"])
+def test_lm_eval_harness_score_matches_our_scorer(base, tmp_path, model_type, monkeypatch):
+    """lm-eval (tokenizer_backend=None, a local JSON task, no network) against the served embedded tiny model:
+    its exact-match score equals our GSM8K scorer's on the completions it logged. local-completions sends the
+    chat-rendered prompt as raw text (special tokens allowed there), local-chat-completions sends messages."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    problems = tiny_problems("heldout", 12, seed=5)
+    data = tmp_path / "tinymath.jsonl"
+    data.write_text("".join(json.dumps({"question": p["question"], "answer": p["answer"]}) + "\n" for p in problems))
+    chat = model_type == "local-chat-completions"
+    text = "{{question}}" if chat else "<|im_start|>user\\n{{question}}<|im_end|>\\n<|im_start|>assistant\\n"
+    name = "tinymath_chat" if chat else "tinymath_raw"
+    (tmp_path / f"{name}.yaml").write_text(TASK.format(name=name, data=data, text=text))
+    url = base.replace("/oai", "/tiny") + ("/v1/chat/completions" if chat else "/v1/completions")
+    out = lm_eval.simple_evaluate(
+        model=model_type, model_args={"model": "mbd-tiny", "base_url": url, "tokenizer_backend": None,
+                                      "num_concurrent": 4, "max_retries": 1, "batch_size": 1 if chat else 4},
+        tasks=[name], task_manager=TaskManager(include_path=str(tmp_path)), apply_chat_template=chat,
+        log_samples=True)
+    samples = out["samples"][name]
+    assert len(samples) == len(problems)
+    completions = [s["resps"][0][0] for s in samples]
+    ours = sum(score_gsm8k(c, str(s["doc"]["answer"])).correct for c, s in zip(completions, samples)) / len(samples)
+    theirs = out["results"][name]["exact_match,strict"]
+    assert theirs == pytest.approx(ours) and ours > 0  # the trained tiny model solves some: a real comparison
 
 
 def test_replica_death_mid_stream_ends_with_error(base):
