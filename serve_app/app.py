@@ -567,6 +567,7 @@ class OpenAIIngress:
         unfinished choice with finish_reason "error" and an error event (details stay in the server log)."""
         finished: set[int] = set()
         last: Any = None
+        continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
         try:
             for h in heads:
                 yield _sse_event(h)
@@ -577,6 +578,8 @@ class OpenAIIngress:
                     if last is not None:
                         yield _sse_event(last)
                     last = chunk(p)
+                    if continuous:
+                        last.usage = self._usage(prompts, choices, so_far=True)
             self._record(choices, prompts, t0)
             stats = self._stats(req, choices)
             if req.stream_options is not None and req.stream_options.include_usage:
@@ -608,10 +611,11 @@ class OpenAIIngress:
                               (time.perf_counter() - t0) * 1e3)
 
     @staticmethod
-    def _usage(prompts: list[list[int]], choices: list[_Choice]) -> Usage:
-        """Prompt tokens once per prompt; completion tokens: those returned (cut at a stop string)."""
+    def _usage(prompts: list[list[int]], choices: list[_Choice], so_far: bool = False) -> Usage:
+        """Prompt tokens once per prompt; completion tokens: those returned (cut at a stop string), or with
+        so_far those sent in the stream up to now."""
         n_prompt = sum(len(p) for p in prompts)
-        n = sum(c.text.returned_tokens for c in choices)
+        n = sum(c.sent if so_far else c.text.returned_tokens for c in choices)
         return Usage(prompt_tokens=n_prompt, completion_tokens=n, total_tokens=n_prompt + n)
 
     def _stats(self, req: SamplingFields, choices: list[_Choice]) -> MBDStats:

@@ -44,6 +44,7 @@ class StrictRequest(BaseModel):
 
 class StreamOptions(StrictRequest):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
 class SamplingFields(StrictRequest):
