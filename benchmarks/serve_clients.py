@@ -55,7 +55,7 @@ def start_server(config: str, port: int, log: Path, timeout_s: float = 300) -> s
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGTERM)  # mbd serve shuts Serve and Ray down on SIGTERM
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:

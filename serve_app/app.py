@@ -195,6 +195,11 @@ def _root(e: BaseException) -> BaseException:
     return getattr(e, "cause", None) or e
 
 
+async def _first(gen: DeploymentResponseGenerator) -> Delta:
+    """The stream's first item (a handle may raise BackPressureError before it returns an awaitable)."""
+    return await gen.__anext__()
+
+
 @dataclass
 class Piece:
     """Text released for one choice, with the tokens (and log-probabilities) that produced it."""
@@ -528,7 +533,7 @@ class OpenAIIngress:
         per_block = req.stream or bool(req.stop_list())
         gens = [self.decoder.generate.remote(ids, params.model_copy(update={"seed": params.seed + k}), per_block)
                 for ids in prompts for k in range(req.n)]
-        firsts = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
+        firsts = await asyncio.gather(*(_first(g) for g in gens), return_exceptions=True)
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failed is not None:
             for g in gens:
@@ -570,6 +575,8 @@ class OpenAIIngress:
         continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
         try:
             for h in heads:
+                if continuous:
+                    h.usage = self._usage(prompts, choices, so_far=True)
                 yield _sse_event(h)
             async with aclosing(_merge([c.pieces(self._sync) for c in choices])) as pieces:
                 async for p in pieces:

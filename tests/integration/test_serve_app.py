@@ -309,7 +309,7 @@ BAD = [
     ("chat/completions", {"model": M, "messages": [{"role": "user", "content": "1+\ud800"}]}, 400,
      "messages[0].content"),
     ("chat/completions", {"model": M, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
-     400, "messages[0].content"),
+     400, "messages[0].content[0].text"),
     ("chat/completions", {"model": M, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400,
      "messages[0].content[1].type"),
