@@ -94,9 +94,11 @@ class Tokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, special: bool = True) -> list[int]:
-        """Token ids of `text`; special=False: special-token texts in it are split into ordinary tokens."""
+        """Token ids of `text`; special=False: special-token texts in it are split into ordinary tokens.
+        (`encode_batch` releases the GIL, `encode` does not: a multi-MiB prompt tokenized in a worker thread
+        would otherwise still stall the server's event loop for seconds.)"""
         check_text(text)
-        return (self.tok if special else self._plain).encode(text, add_special_tokens=False).ids
+        return (self.tok if special else self._plain).encode_batch([text], add_special_tokens=False)[0].ids
 
     def special_text_in(self, text: str) -> str | None:
         """The first special token's text that occurs in `text` (it would encode to that token), else None."""
