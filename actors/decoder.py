@@ -42,10 +42,12 @@ class Delta:
     finish_reason: str | None = None
     nfe: int = 0
     num_generated: int = 0
+    logprobs: list[float] | None = None  # of token_ids, when the request asked for them
 
     def merge(self, later: "Delta") -> "Delta":
+        lps = None if later.logprobs is None else (self.logprobs or []) + later.logprobs
         return Delta(self.token_ids + later.token_ids, later.finished, later.finish_reason, later.nfe,
-                     later.num_generated)
+                     later.num_generated, lps)
 
 
 @dataclass
@@ -136,7 +138,8 @@ class EngineHost:
             with self._lock:
                 s = self._streams.pop(o.request_id, None) if o.finished else self._streams.get(o.request_id)
             if s is not None:
-                s.send(Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated))
+                s.send(Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated,
+                             o.new_logprobs))
 
     def _fail(self, rid: str, e: BaseException) -> None:
         with self._lock:

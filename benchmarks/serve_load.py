@@ -79,6 +79,42 @@ async def run_http(url: str, model: str, messages: list[list[dict]], conc: int, 
         return summary(lat, tokens, time.perf_counter() - t0)
 
 
+async def run_http_stream(url: str, model: str, messages: list[list[dict]], conc: int, max_tokens: int) -> dict:
+    """Closed-loop streaming chat clients (ignore_eos, exactly max_tokens each): TTFT = request start to the
+    first non-empty content chunk; ITL = (latency - TTFT) / (completion tokens - 1), as guidellm defines it."""
+    todo, lat, ttft, itl, tokens = list(messages), [], [], [], 0
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        while todo:
+            body = {"model": model, "messages": todo.pop(), "max_tokens": max_tokens, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            t, first, n = time.perf_counter(), None, 0
+            async with http.stream("POST", url, json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    ev = json.loads(line[6:])
+                    if first is None and any(c["delta"].get("content") for c in ev["choices"]):
+                        first = time.perf_counter()
+                    if ev.get("usage"):
+                        n = ev["usage"]["completion_tokens"]
+            end = time.perf_counter()
+            lat.append(end - t)
+            ttft.append((first or end) - t)
+            if n > 1:
+                itl.append((end - (first or end)) / (n - 1))
+            tokens += n
+
+    limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(conc)))
+        out = summary(lat, tokens, time.perf_counter() - t0)
+    return out | {"ttft_p50_ms": 1e3 * statistics.median(ttft), "itl_p50_ms": 1e3 * statistics.median(itl)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -160,7 +160,11 @@ class DecodeConfig(StrictModel):
     tau_m2t: float = Field(default=0.95, ge=0, le=1)
     tau_t2t: float | None = Field(default=None, ge=0, le=1)
     temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling (with temperature > 0)")
+    top_k: int = Field(default=0, ge=0, description="sample among the k most likely tokens; 0: all")
     seed: int = 0
+    ignore_eos: bool = Field(default=False, description="stop tokens do not end generation (benchmarks)")
+    logprobs: bool = Field(default=False, description="report each output token's log-probability")
     strategy: Literal["block_buffer", "dmax"] = Field(
         default="block_buffer", description="decision rules: the paper's Block Buffer (M2T/T2T), or DMax's native "
         "SingleBD decoding (mbd.decoding.policy.DMaxPolicy; buffer_size 1, tau_t2t required)")

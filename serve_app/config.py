@@ -15,9 +15,13 @@ from actors.tp_worker import ModelSpec
 from mbd.config import DecodeConfig, StrictModel, load_yaml
 
 
+DEFAULT_MAX_BODY = 4 * 1024 * 1024
+
+
 class RequestLimits(StrictModel):
     default_max_tokens: int | None = Field(default=None, gt=0, description="when a request omits max_tokens")
     max_temperature: float = Field(default=2.0, ge=0)
+    max_choices: int = Field(default=16, ge=1, description="prompts x n per request (each is one engine request)")
 
 
 class Autoscaling(StrictModel):
@@ -49,6 +53,7 @@ class IngressDeployment(StrictModel):
     num_replicas: int = Field(default=1, ge=1)
     max_ongoing_requests: int = Field(default=256, ge=1)
     num_cpus: float = Field(default=0.0, ge=0)
+    tokenizer_threads: int = Field(default=4, ge=1, description="(de)tokenization threads, off the event loop")
 
 
 class HTTPSpec(StrictModel):
@@ -56,6 +61,7 @@ class HTTPSpec(StrictModel):
     port: int = Field(default=8000, ge=1, le=65535)
     route_prefix: str = "/"
     api_key: str | None = Field(default=None, description="bearer token; unset: MBD_API_KEY env, else no auth")
+    max_body_bytes: int = Field(default=DEFAULT_MAX_BODY, ge=1024, description="larger request bodies get 413")
 
 
 class ServeConfig(StrictModel):

@@ -1,9 +1,15 @@
-"""OpenAI-compatible request/response schemas (the subset that makes sense for a block-diffusion LM).
+"""OpenAI-compatible request/response schemas, as the OpenAI API and vLLM define them.
 
 Requests are strict: wrong types are not coerced and unknown fields are rejected, so a client that asks for
-something we do not do (`logprobs`, `top_p`, ...) hears about it instead of getting silently different output.
-The MultiBD knobs (buffer_size and the tau_* thresholds) are extra top-level fields (`extra_body` in the
-`openai` client); the deployment bounds them further (see `serve_app.app`).
+something we do not do hears about it instead of getting silently different output; fields we accept but
+cannot honour for every value (penalties, top log-probabilities, non-text content parts) are checked by the
+ingress and refused with a 400 naming the field. The MultiBD knobs (buffer_size and the tau_* thresholds) are
+extra top-level fields (`extra_body` in the `openai` client); the deployment bounds them further.
+
+Log-probabilities: a diffusion LM has no left-to-right next-token distribution. `logprobs` reports, for each
+returned token, its log-probability under the distribution it was accepted from, i.e. the model's softmax
+(mask token excluded) at the forward where M2T filled that position or T2T last revised it; with
+temperature > 0 the sampling distribution after temperature, top_k and top_p.
 """
 
 from __future__ import annotations
@@ -11,13 +17,25 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 Unit = Field(default=None, ge=0.0, le=1.0)
+
+
+def _unicode(text: str) -> str:
+    """Lone surrogates (JSON '\\ud800') parse into a str that no tokenizer or UTF-8 encoder accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode ({e.reason} at character {e.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class StrictRequest(BaseModel):
@@ -25,7 +43,8 @@ class StrictRequest(BaseModel):
 
 
 class StreamOptions(StrictRequest):
-    include_usage: bool = True
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
 class SamplingFields(StrictRequest):
@@ -34,12 +53,17 @@ class SamplingFields(StrictRequest):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, description="-1 or 0: all tokens (vLLM)")
     seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
+    stop: Text | list[Text] | None = None
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None  # only 0 (no penalty) is accepted
+    frequency_penalty: float | None = None
     # MultiBD extras
     buffer_size: int | None = Field(default=None, ge=1)
     tau_add: float | None = Unit
@@ -54,19 +78,50 @@ class SamplingFields(StrictRequest):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def token_limit(self) -> tuple[int | None, str]:
+        """The requested generation limit and the field it came from."""
+        return self.max_tokens, "max_tokens"
+
+    def wants_logprobs(self) -> bool:
+        return False
+
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only {"type": "text", "text": ...} is served (others: 400)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: Text | None = None
 
 
 class ChatMessage(StrictRequest):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text | list[ContentPart]
     name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, description="OpenAI's newer name of max_tokens")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def token_limit(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
 
 
 # ---- responses (plain models; built by the server, never parsed from clients) ----
@@ -79,13 +134,13 @@ class Usage(BaseModel):
 
 
 class MBDStats(BaseModel):
-    """Per-request decoding statistics: NFE (forward passes) and TPF = generated tokens / NFE."""
+    """Per-request decoding statistics, summed over the choices: NFE (forward passes) and
+    TPF = generated tokens / NFE."""
 
     nfe: int
     tpf: float
     num_generated: int
     buffer_size: int
-    token_ids: list[int] | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -96,11 +151,22 @@ def now() -> int:
     return int(time.time())
 
 
+FinishReason = Literal["stop", "length", "error"]  # "error": the stream failed mid-way (see the error event)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM's name)
 
 
 class CompletionResponse(BaseModel):
@@ -118,10 +184,23 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[dict[str, Any]] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -142,7 +221,9 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -205,8 +286,10 @@ def field_path(loc: tuple[Any, ...]) -> str | None:
 
 
 def from_validation_error(exc: RequestValidationError) -> APIError:
-    """FastAPI/pydantic request errors as one OpenAI-style 400 that names the first offending field."""
-    err = exc.errors()[0]
+    """FastAPI/pydantic request errors as one OpenAI-style 400 that names the first offending field (within a
+    union, a value error of the member whose type matched beats the other members' type mismatches)."""
+    errors = exc.errors()
+    err = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
     if err["type"] == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}", "body")
     param = field_path(tuple(err["loc"]))

@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     from serve_app.app import build_app
 
     signal.signal(signal.SIGTERM, _stop)
-    ray.init(address=args.address)
+    # "local": a new instance; ray.init() alone would join whatever Ray instance runs on this machine
+    ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "local")
     try:
         serve.start(http_options={"host": http.host, "port": http.port})
         serve.run(build_app({"serve_config": cfg}), name=args.name, route_prefix=http.route_prefix)

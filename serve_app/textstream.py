@@ -5,6 +5,10 @@ Text is released only once it can no longer change: a byte-level BPE token may e
 (decoded as U+FFFD until its continuation arrives), and a stop string may straddle two blocks, so the tail
 that could still become a stop string is held back. Concatenating everything `push` and `finish` return
 gives exactly the non-streaming text.
+
+Tokens are accounted the same way: `returned_tokens` are those that produced the returned text (a stop
+string cuts the committed block, and the tokens after it were never returned: usage must not count them),
+and `released_tokens` those that produced the text released so far (their log-probabilities can be sent).
 """
 
 from __future__ import annotations
@@ -46,6 +50,25 @@ class TextStream:
     @property
     def text(self) -> str:
         return self._text
+
+    @property
+    def returned_tokens(self) -> int:
+        return self._covering(len(self._text)) if self.stopped else len(self.token_ids)
+
+    @property
+    def released_tokens(self) -> int:
+        return self._covering(self._emitted)
+
+    def _covering(self, n_chars: int) -> int:
+        """The fewest leading tokens whose text reaches n_chars characters (binary search over prefixes)."""
+        lo, hi = 0, len(self.token_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.tok.decode(self.token_ids[:mid])) >= n_chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def _held_back(self) -> int:
         t = self._text

@@ -20,6 +20,7 @@ NFE counts decode forwards (prefill is not counted); TPF = num_generated / NFE.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,6 +53,7 @@ class StepOutput:
     finish_reason: str | None  # "eos" | "length" | "max_nfe" | "abort" | None
     nfe: int
     num_generated: int
+    new_logprobs: list[float] | None = None  # with params.logprobs: the log-probability of each new token
 
 
 class GenerationResult(BaseModel):
@@ -160,6 +162,8 @@ class Engine:
             req.trace = []
         if p.temperature > 0:
             req.generator = torch.Generator(device=self.device).manual_seed(p.seed)
+        if p.logprobs:
+            req.logprobs = {}
         self.sched.add(req)
         return req
 
@@ -256,19 +260,24 @@ class Engine:
         span = self.runner.span(max(r.cache_len for _, r in running), S)
         logits, idx = self.runner.forward(b, S, span, A, [c for _, c in chunks])
         tokens = buf.tokens[:b, :Q]
-        parts, t2t = [], None
+        parts, t2t, conf = [], None, None
         has_t2t = any(r.params.tau_t2t is not None for _, r in running)
         if A:
             fixed = None
             if any(r.cache_len < r.prompt_len for _, r in running):  # a prompt tail is still in a buffer
                 fixed = self.runner.positions(b, S).gather(1, idx) < buf.prompt_len[:b, None]
             t2t = buf.tau_t2t[:b] if has_t2t else None
-            samplers = [Sampler(row, r.params.temperature, r.generator) for row, r in running
-                        if r.generator is not None]
+            samplers = [Sampler(row, r.params.temperature, r.generator, r.params.top_p, r.params.top_k)
+                        for row, r in running if r.generator is not None]
             slots = idx[:, ::B] // B
             dec = self.policy.update(logits, tokens.gather(1, idx), buf.state[:b].gather(1, slots), buf.tau_m2t[:b],
                                      buf.semi_max_masked[:b], fixed, t2t, samplers)
-            tokens = tokens.scatter(1, idx, dec.tokens)
+            updated = tokens.scatter(1, idx, dec.tokens)
+            if any(r.logprobs is not None for _, r in running):
+                # logprobs: the probability each token was accepted (or last revised) with, where it changed
+                full = torch.full(tokens.shape, -1.0, device=tokens.device).scatter(1, idx, dec.conf.float())
+                conf = torch.where(updated != tokens, full, -1.0).tolist()
+            tokens = updated
             parts = [dec.masked_in, dec.accepted] + ([dec.revised] if t2t is not None else [])
         if self.trace:
             parts.append(buf.state[:b])  # forward-time states
@@ -298,9 +307,12 @@ class Engine:
                 req.trace.append(step_entry(s[-self.n_buf:], masked_in + [B] * (self.n_buf - S), req.cache_len, B))
             req.nfe += 1
             base, n_res, pre_tc = req.cache_len, req.n_res, req.n_tc
+            if req.logprobs is not None and conf is not None:
+                req.logprobs.update((base + i, math.log(c)) for i, c in enumerate(conf[row][:n_res * B]) if c > 0)
             post_tc = self.policy.final_count(req.params, pre_tc, n_res, filled, unchanged)
             new = self._emit(req, toks, base, pre_tc, post_tc)
-            eos_seen = req.eos or not self._stop_set.isdisjoint(toks[max(0, req.prompt_len - base): n_res * B])
+            eos_seen = req.eos or (not req.params.ignore_eos
+                                   and not self._stop_set.isdisjoint(toks[max(0, req.prompt_len - base): n_res * B]))
             req.cache_len = base + pre_tc * B
             plan = self.policy.plan(req.params, n_res=n_res, pre_tc=pre_tc, post_tc=post_tc,
                                     filled_last=filled[n_res - 1], unchanged_last=unchanged[n_res - 1],
@@ -314,7 +326,8 @@ class Engine:
                 outs.append(self._finish(req, reason, new))
                 req.n_res = req.n_tc = 0
             else:
-                outs.append(StepOutput(req.id, new, False, None, req.nfe, req.num_generated))
+                outs.append(StepOutput(req.id, new, False, None, req.nfe, req.num_generated,
+                                       self._logprobs(req, new)))
             host_row = buf.slot_states(req.n_tc, req.n_res, self.n_buf) + [0 if req.finished else req.cache_len]
             old = self._host_rows[row]
             if host_row != old:
@@ -357,7 +370,7 @@ class Engine:
 
     def _append(self, req: Request, ids: list[int]) -> list[int]:
         for i, t in enumerate(ids):
-            if t in self._stop_set:
+            if t in self._stop_set and not req.params.ignore_eos:
                 req.eos = True
                 ids = ids[:i]
                 break
@@ -368,7 +381,15 @@ class Engine:
         req.finish_reason = reason
         req.t_finished = time.perf_counter()
         self.sched.finish(req)
-        return StepOutput(req.id, new, True, reason, req.nfe, req.num_generated)
+        return StepOutput(req.id, new, True, reason, req.nfe, req.num_generated, self._logprobs(req, new))
+
+    @staticmethod
+    def _logprobs(req: Request, new: list[int]) -> list[float] | None:
+        """The log-probabilities of the `new` tokens just appended to req.output (output j is at prompt_len + j)."""
+        if req.logprobs is None:
+            return None
+        end = req.prompt_len + len(req.output)
+        return [req.logprobs.pop(pos, 0.0) for pos in range(end - len(new), end)]
 
     # ----------------------------------------------------------------- convenience drivers
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:

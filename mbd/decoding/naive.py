@@ -83,7 +83,7 @@ class Reference:
         state = torch.tensor([[TO_CACHE] * n_tc + [ACTIVE] * (n - n_tc)], device=dev)
         fixed = (torch.arange(tokens.shape[1], device=dev) + first_pos < prompt_len)[None]
         t2t = torch.tensor([[p.tau_t2t]], device=dev) if p.tau_t2t is not None else None
-        samplers = [Sampler(0, p.temperature, gen)] if gen is not None else []
+        samplers = [Sampler(0, p.temperature, gen, p.top_p, p.top_k)] if gen is not None else []
         dec = self.policy.update(logits, tokens, state, torch.tensor([[[p.tau_m2t]]], device=dev),
                                  torch.tensor([[self.policy.semi_max_masked(p.tau_semi)]], device=dev), fixed, t2t, samplers)
         filled, unchanged = self.policy.counts(dec.masked_in[0].tolist(), dec.accepted[0].tolist(),

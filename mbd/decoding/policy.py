@@ -49,6 +49,7 @@ class Decision:
     masked_in: torch.Tensor  # [R, S] mask tokens the model saw (trace: the slot's mask ratio * B)
     accepted: torch.Tensor  # [R, S] masked positions filled by M2T
     revised: torch.Tensor | None  # [R, S] positions replaced by T2T (None: T2T off in the whole batch)
+    conf: torch.Tensor | None = None  # [R, Q] probability of each position's prediction (see `predict`)
 
 
 class Kept(NamedTuple):
@@ -72,11 +73,37 @@ class Plan:
 
 @dataclass
 class Sampler:
-    """Temperature sampling for one row, reproducible from the request's seed whatever the batch holds."""
+    """Temperature sampling for one row, reproducible from the request's seed whatever the batch holds,
+    optionally restricted to the top_k most likely tokens (0: all) and then to the smallest set whose
+    probability reaches top_p (1.0: all), as in vLLM. The sampled token's confidence is its probability
+    under that restricted, renormalised distribution."""
 
     row: int
     temperature: float
     generator: torch.Generator
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def step_generator(self) -> torch.Generator:
+        """A generator for this step's draws, seeded by ONE draw from the request's generator: the forward
+        covers as many positions as the fullest row of the batch has, and positions past the request's own
+        must not consume its random stream (else its samples would depend on what else is batched)."""
+        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.generator.device))
+        return torch.Generator(device=self.generator.device).manual_seed(seed)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[Q, V] logits -> the distribution this row samples from."""
+        z = logits.float() / self.temperature
+        if 0 < self.top_k < z.shape[-1]:
+            kth = z.topk(self.top_k, -1).values[:, -1:]
+            z = z.masked_fill(z < kth, float("-inf"))
+        p = z.softmax(-1)
+        if self.top_p < 1.0:
+            sp, idx = p.sort(-1, descending=True)
+            drop = (sp.cumsum(-1) - sp) >= self.top_p  # mass before a token already reaches top_p
+            p = p.scatter(-1, idx, sp.masked_fill(drop, 0.0))
+            p = p / p.sum(-1, keepdim=True)
+        return p
 
 
 class Policy:
@@ -120,7 +147,7 @@ class Policy:
                 revise &= ~fixed
             new = torch.where(revise, x0, new)
             revised = revise.view(R, S, B).sum(-1)
-        return Decision(new, masked_in, accept.sum(-1), revised)
+        return Decision(new, masked_in, accept.sum(-1), revised, conf)
 
     def predict(self, logits: torch.Tensor, samplers: list[Sampler] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """(confidence, predicted token) [R, Q] of every position; the mask token is never predicted
@@ -128,8 +155,8 @@ class Policy:
         logits.select(-1, self.mask_id).fill_(float("-inf"))
         conf, x0 = logits.float().softmax(-1).max(-1)
         for s in samplers:
-            p = (logits[s.row].float() / s.temperature).softmax(-1)
-            x = torch.multinomial(p, 1, generator=s.generator)
+            p = s.probs(logits[s.row])
+            x = torch.multinomial(p, 1, generator=s.step_generator())
             x0[s.row] = x[:, 0]
             conf[s.row] = p.gather(1, x)[:, 0]
         return conf, x0
@@ -218,7 +245,7 @@ class DMaxPolicy(Policy):
         new = torch.where(revise, x0, new)
         confident = torch.where(masked, c, 1.0).ge(self.DMAX_CONFIDENT).all(-1)
         revised = revise.view(R, S, B).sum(-1) + (B + 1) * confident
-        return Decision(new, masked.sum(-1), accept.sum(-1), revised)
+        return Decision(new, masked.sum(-1), accept.sum(-1), revised, conf)
 
     def counts(self, masked_in: list[int], accepted: list[int], revised: list[int] | None) -> tuple[list[int], list[Kept]]:
         if revised is None:

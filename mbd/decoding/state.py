@@ -41,6 +41,10 @@ class RequestParams:
     tau_t2t: float | None
     temperature: float
     seed: int
+    top_p: float = 1.0
+    top_k: int = 0
+    ignore_eos: bool = False
+    logprobs: bool = False
 
     @classmethod
     def resolve(cls, cfg: DecodeConfig, prompt_len: int, max_length: int) -> "RequestParams":
@@ -49,7 +53,8 @@ class RequestParams:
             raise ValueError(f"prompt has {prompt_len} tokens but max_length is {limit}: shorten the prompt "
                              "or raise max_length (the engine's max_length caps every request)")
         return cls(cfg.buffer_size, min(prompt_len + cfg.max_new_tokens, limit), cfg.max_nfe, cfg.tau_add,
-                   cfg.tau_semi, cfg.tau_stable, cfg.tau_m2t, cfg.tau_t2t, cfg.temperature, cfg.seed)
+                   cfg.tau_semi, cfg.tau_stable, cfg.tau_m2t, cfg.tau_t2t, cfg.temperature, cfg.seed,
+                   cfg.top_p, cfg.top_k, cfg.ignore_eos, cfg.logprobs)
 
 
 class BatchBuffers:
@@ -131,6 +136,7 @@ class Request:
     step_time_s: float = 0.0
     trace: list[dict] | None = None
     generator: torch.Generator | None = None
+    logprobs: dict[int, float] | None = None  # absolute position -> log-probability of its current token
 
     @property
     def prompt_len(self) -> int:

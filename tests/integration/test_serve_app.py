@@ -111,13 +111,13 @@ def test_completion_matches_engine(base, ref):
     assert r.status_code == 200, r.text
     got = r.json()
     assert got["object"] == "text_completion" and got["model"] == MODEL
-    assert got["mbd"]["token_ids"] == want.token_ids and got["choices"][0]["text"] == want.text
+    assert got["choices"][0]["token_ids"] == want.token_ids and got["choices"][0]["text"] == want.text
     assert got["choices"][0]["finish_reason"] == "length"
     assert got["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 24, "total_tokens": len(ids) + 24}
     assert got["mbd"]["nfe"] == want.nfe and got["mbd"]["tpf"] == pytest.approx(want.tpf, abs=1e-4)
     # token-id prompts give the same tokens
     r = _post(base, "tp1", "completions", {"model": MODEL, "prompt": ids, "max_tokens": 24, "return_token_ids": True})
-    assert r.json()["mbd"]["token_ids"] == want.token_ids
+    assert r.json()["choices"][0]["token_ids"] == want.token_ids
 
 
 def test_chat_matches_engine(base, ref):
@@ -130,7 +130,7 @@ def test_chat_matches_engine(base, ref):
     got = r.json()
     assert got["object"] == "chat.completion"
     assert got["choices"][0]["message"] == {"role": "assistant", "content": want.text}
-    assert got["mbd"]["token_ids"] == want.token_ids and got["mbd"]["buffer_size"] == 1
+    assert got["choices"][0]["token_ids"] == want.token_ids and got["mbd"]["buffer_size"] == 1
     assert got["usage"]["prompt_tokens"] == len(ids)
 
 
@@ -141,7 +141,7 @@ def test_mbd_thresholds_reach_the_engine(base, ref):
         want = _want(ref, ids, 16, tau_m2t=tau)
         got = _post(base, "tp1", "completions", {"model": MODEL, "prompt": ids, "max_tokens": 16, "tau_m2t": tau,
                                                  "return_token_ids": True}).json()
-        assert (got["mbd"]["token_ids"], got["mbd"]["nfe"]) == (want.token_ids, want.nfe)
+        assert (got["choices"][0]["token_ids"], got["mbd"]["nfe"]) == (want.token_ids, want.nfe)
 
 
 @pytest.mark.parametrize("endpoint, body", [
@@ -151,9 +151,10 @@ def test_mbd_thresholds_reach_the_engine(base, ref):
 def test_stream_concatenates_to_full_text(base, endpoint, body):
     body = {"model": MODEL, "max_tokens": 30} | body
     full = _post(base, "tp1", endpoint, body).json()
-    events = _sse(base, "tp1", endpoint, body)
+    events = _sse(base, "tp1", endpoint, body | {"stream_options": {"include_usage": True}})
     assert events[-1] == "[DONE]"
     chunks, final = events[:-2], events[-2]
+    assert final["choices"] == [] and all(c["usage"] is None for c in chunks)
     if endpoint == "completions":
         text = "".join(c["choices"][0]["text"] for c in chunks)
         assert text == full["choices"][0]["text"]
@@ -162,7 +163,8 @@ def test_stream_concatenates_to_full_text(base, endpoint, body):
         text = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks)
         assert text == full["choices"][0]["message"]["content"]
     assert len([c for c in chunks if (c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content"))]) > 1
-    assert final["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
     assert final["usage"] == full["usage"] and final["mbd"] == full["mbd"]
 
 
@@ -172,7 +174,7 @@ def test_stop_string_streaming_and_not(base):
     stop = text[13:16]  # a string that first appears somewhere in the middle, across block boundaries
     want = text[: text.index(stop)]
     got = _post(base, "tp1", "completions", body | {"stop": [stop, "@@"]}).json()
-    assert got["choices"][0] == {"index": 0, "text": want, "logprobs": None, "finish_reason": "stop"}
+    assert got["choices"][0] == {"index": 0, "text": want, "logprobs": None, "finish_reason": "stop", "token_ids": None}
     events = _sse(base, "tp1", "completions", body | {"stop": stop})
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
@@ -249,7 +251,7 @@ def test_32_clients_x_4_requests(base, ref):
     with ThreadPoolExecutor(32) as pool:
         got = [resp for batch in pool.map(client, range(32)) for resp in batch]
     assert len({g["id"] for g in got}) == 128
-    assert [g["mbd"]["token_ids"] for g in got] == [w.token_ids for w in want]
+    assert [g["choices"][0]["token_ids"] for g in got] == [w.token_ids for w in want]
     assert _stats("tp1")["in_engine"] == 0
 
 
@@ -264,7 +266,21 @@ BAD = [
     ("completions", {"model": M, "prompt": ""}, 400, "prompt"),
     ("completions", {"model": M, "prompt": []}, 400, "prompt"),
     ("completions", {"model": M, "prompt": 42}, 400, "prompt"),
-    ("completions", {"model": M, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"model": M, "prompt": ["a", ""]}, 400, "prompt[1]"),
+    ("completions", {"model": M, "prompt": [[5], []]}, 400, "prompt[1]"),
+    ("completions", {"model": M, "prompt": "1+\ud800"}, 400, "prompt"),
+    ("completions", {"model": M, "prompt": ["ok", "1+\ud800"]}, 400, "prompt[1]"),
+    ("completions", {"model": M, "prompt": "1+1=", "stop": ["\udfff"]}, 400, "stop[0]"),
+    ("completions", {"model": M, "prompt": "1+1=", "echo": True}, 400, "echo"),
+    ("completions", {"model": M, "prompt": "1+1=", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("completions", {"model": M, "prompt": "1+1=", "frequency_penalty": -1.0}, 400, "frequency_penalty"),
+    ("completions", {"model": M, "prompt": "1+1=", "n": 0}, 400, "n"),
+    ("completions", {"model": M, "prompt": "1+1=", "n": 17}, 400, "n"),
+    ("completions", {"model": M, "prompt": ["1"] * 9, "n": 2}, 400, "n"),
+    ("completions", {"model": M, "prompt": "1+1=", "top_p": 0.0}, 400, "top_p"),
+    ("completions", {"model": M, "prompt": "1+1=", "top_k": -2}, 400, "top_k"),
+    ("completions", {"model": M, "prompt": "1+1=", "stream_options": {"include_usage": 1}}, 400,
+     "stream_options.include_usage"),
     ("completions", {"model": M, "prompt": [5, 10_000]}, 400, "prompt"),
     ("completions", {"model": M, "prompt": [special_token_ids()["mask_token_id"]]}, 400, "prompt"),
     ("completions", {"model": M, "prompt": "<|MASK|>"}, 400, "prompt"),
@@ -273,10 +289,8 @@ BAD = [
     ("completions", {"model": M, "prompt": "1+1=", "max_tokens": 0}, 400, "max_tokens"),
     ("completions", {"model": M, "prompt": "1+1=", "max_tokens": 1001}, 400, "max_tokens"),
     ("completions", {"model": M, "prompt": "1+1=", "max_tokens": "5"}, 400, "max_tokens"),
-    ("completions", {"model": M, "prompt": "1+1=", "n": 2}, 400, "n"),
     ("completions", {"model": M, "prompt": "1+1=", "temperature": -1}, 400, "temperature"),
     ("completions", {"model": M, "prompt": "1+1=", "temperature": 5.0}, 400, "temperature"),
-    ("completions", {"model": M, "prompt": "1+1=", "top_p": 0.9}, 400, "top_p"),
     ("completions", {"model": M, "prompt": "1+1=", "logprobs": 3}, 400, "logprobs"),
     ("completions", {"model": M, "prompt": "1+1=", "buffer_size": 3}, 400, "buffer_size"),
     ("completions", {"model": M, "prompt": "1+1=", "buffer_size": 0}, 400, "buffer_size"),
@@ -292,6 +306,21 @@ BAD = [
     ("chat/completions", {"model": M, "messages": [{"role": "user"}]}, 400, "messages[0].content"),
     ("chat/completions", {"model": M, "messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
     ("chat/completions", {"model": M, "prompt": "hi"}, 400, "messages"),
+    ("chat/completions", {"model": M, "messages": [{"role": "user", "content": "1+\ud800"}]}, 400,
+     "messages[0].content"),
+    ("chat/completions", {"model": M, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     400, "messages[0].content[0].text"),
+    ("chat/completions", {"model": M, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400,
+     "messages[0].content[1].type"),
+    ("chat/completions", {"model": M, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "messages[0].content[0].type"),
+    ("chat/completions", {"model": M, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2,
+                          "logprobs": True}, 400, "top_logprobs"),
+    ("chat/completions", {"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                          "max_completion_tokens": 6}, 400, "max_tokens"),
+    ("chat/completions", {"model": M, "messages": [{"role": "user", "content": "hi"}],
+                          "max_completion_tokens": 1001}, 400, "max_completion_tokens"),
 ]
 
 

@@ -188,3 +188,46 @@ def test_engine_loop_death_fails_requests_and_health(ckpt, tok):
         host.check()
     with pytest.raises(EngineDead):
         asyncio.run(_collect(host, tok.encode("1+1="), DECODE))
+
+
+# ---- request fields that reach the engine (issue 14) ----
+
+
+def test_sampler_top_k_top_p_restrict_the_distribution():
+    """top_k keeps the k most likely tokens; top_p then keeps the smallest prefix (by probability) whose mass
+    reaches top_p; the rest is renormalised. Reference written out by hand for one row."""
+    from mbd.decoding.policy import Sampler
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0]])
+    gen = torch.Generator().manual_seed(0)
+    p = logits.softmax(-1)[0]
+    order = [4, 0, 1, 2, 3]  # descending probability
+    for top_k, top_p in [(0, 1.0), (2, 1.0), (0, 0.7), (3, 0.95), (1, 0.5)]:
+        keep = order[:top_k] if top_k else order
+        q = torch.zeros(5)
+        q[keep] = p[keep] / p[keep].sum()
+        mass, kept = 0.0, []
+        for i in keep:
+            if mass >= top_p:
+                break
+            kept.append(i)
+            mass += float(q[i])
+        want = torch.zeros(5)
+        want[kept] = q[kept] / q[kept].sum()
+        got = Sampler(0, 1.0, gen, top_p, top_k).probs(logits)[0]
+        assert torch.allclose(got, want, atol=1e-6), (top_k, top_p, got, want)
+
+
+def test_ignore_eos_decodes_past_eos(tmp_path):
+    """On a model that always predicts EOS: without ignore_eos nothing is generated; with it, max_new_tokens
+    tokens (all EOS, invisible in the text) and finish_reason 'length'."""
+    ck = make_checkpoint(tmp_path / "eos")
+    model, cfg = load_checkpoint(ck)
+    eos = torch.tensor([cfg.eos_token_id])
+    model.lm_head.register_forward_hook(lambda _m, _i, out: out.index_fill(-1, eos, 1e4))
+    engine = Engine(model, Tokenizer.from_dir(ck, cfg), DECODE, max_batch_slots=2)
+    ids = engine.tokenizer.encode("1+1=")
+    plain = engine.generate([ids], {"max_new_tokens": 12})[0]
+    forced = engine.generate([ids], {"max_new_tokens": 12, "ignore_eos": True})[0]
+    assert (plain.token_ids, plain.finish_reason) == ([], "eos")
+    assert forced.token_ids == [cfg.eos_token_id] * 12 and forced.finish_reason == "length" and forced.text == ""
