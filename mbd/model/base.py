@@ -83,11 +83,7 @@ def _segmented_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs
     outs, o = [], 0
     for s in segs.parts:
         n = s.rows * s.width
-
-        def cut(x: torch.Tensor) -> torch.Tensor:
-            return x[0, :, o:o + n].unflatten(1, (s.rows, s.width)).transpose(0, 1)
-
-        out = self_attention(cut(q), cut(k), cut(v), s.mask, s.cache, layer, s.pos)
-        outs.append(out.reshape(1, n, -1))
+        q_s, k_s, v_s = (x[0, :, o:o + n].unflatten(1, (s.rows, s.width)).transpose(0, 1) for x in (q, k, v))
+        outs.append(self_attention(q_s, k_s, v_s, s.mask, s.cache, layer, s.pos).reshape(1, n, -1))
         o += n
     return torch.cat(outs, 1)
