@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + "\n".join(lines), flush=True)
     if "mixed" in parts:
         m = mixed(args.size, args.tau, args.repeats)
-        print(f"\nmixed lengths, B=4, 48 requests (prompt 64, budgets 32-256) through 16 slots: TPS "
+        print("\nmixed lengths, B=4, 48 requests (prompt 64, budgets 32-256) through 16 slots: TPS "
               + ", ".join(f"{n} {v:.1f} ({v / m['plain']:.2f}x plain)" for n, v in m.items()), flush=True)
     if "overhead" in parts:
         print("\nengine overhead, 60m model, SingleBD B=4, prompt 64: step / bare forward of the same shape (median)")
