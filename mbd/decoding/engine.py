@@ -37,6 +37,7 @@ from mbd.decoding.runner import ModelRunner, PrefillChunk
 from mbd.decoding.scheduler import Scheduler
 from mbd.decoding.state import BatchBuffers, Request, RequestParams, SlotState
 from mbd.decoding.trace import step_entry
+from mbd.detokenize import TextStream
 from mbd.tokenizer import Tokenizer
 
 Params = DecodeConfig | Mapping[str, Any] | None
@@ -413,27 +414,20 @@ class Engine:
         return [self.result(r) for r in reqs]
 
     def stream(self, prompt: str | Sequence[int], params: Params = None, chat: bool = True) -> Iterator[str]:
-        """Yield the text committed so far as blocks become final (decoded as a whole, new suffix yielded,
-        so merged or multi-byte tokens are never split)."""
+        """Yield text as blocks become final, through the one incremental detokenizer (`mbd.detokenize`): each
+        token is decoded once, and a character split across tokens is yielded only when complete."""
         if self.tokenizer is None:
             raise ValueError("stream() yields text and needs a tokenizer")
         req = self._add(self.encode(prompt, chat), params, None)
-        sent, n = "", 0
+        text, n = TextStream(self.tokenizer), 0
         try:
             while not req.finished:
                 self.step()
-                if len(req.output) == n and not req.finished:
-                    continue
+                if piece := text.push(req.output[n:]):
+                    yield piece
                 n = len(req.output)
-                text = self.tokenizer.decode(req.output)
-                if text.endswith("\ufffd") and not req.finished:
-                    continue  # an incomplete multi-byte character: wait for the rest
-                k = 0
-                while k < min(len(text), len(sent)) and text[k] == sent[k]:
-                    k += 1
-                if text[k:]:
-                    yield text[k:]
-                sent = text
+            if piece := text.finish():
+                yield piece
         finally:
             if not req.finished:
                 self.abort(req.id)
