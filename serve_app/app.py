@@ -92,7 +92,16 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
     **{code: {"model": ErrorResponse, "description": text} for code, text in ERRORS.items()},
 }
 
-app = FastAPI(title="mbd-lm", description="OpenAI-compatible API for Multi-Block Diffusion LMs")
+class _App(FastAPI):
+    def add_exception_handler(self, exc_class_or_status_code: Any, handler: Callable) -> None:
+        """Ray Serve installs a plain-text BackPressureError handler when the replica starts; ours (OpenAI-style
+        JSON with Retry-After, registered below) stays, whichever layer under the ingress refused the request."""
+        if exc_class_or_status_code is BackPressureError and BackPressureError in self.exception_handlers:
+            return
+        super().add_exception_handler(exc_class_or_status_code, handler)
+
+
+app = _App(title="mbd-lm", description="OpenAI-compatible API for Multi-Block Diffusion LMs")
 log = logging.getLogger("ray.serve")
 
 
@@ -150,6 +159,13 @@ app.add_middleware(BodyLimit)
 @app.exception_handler(APIError)
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
+
+
+@app.exception_handler(BackPressureError)
+async def _overloaded(_: Request, exc: BackPressureError) -> JSONResponse:
+    retry = exc.retry_after_s if exc.retry_after_s is not None else 1
+    return APIError(503, "the server is at capacity; retry later", None, "server_error", "overloaded",
+                    {"Retry-After": str(math.ceil(retry))}).response()
 
 
 @app.exception_handler(RequestValidationError)
@@ -536,8 +552,9 @@ class OpenAIIngress:
         firsts = await asyncio.gather(*(_first(g) for g in gens), return_exceptions=True)
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failed is not None:
-            for g in gens:
-                g.cancel()
+            for g, f in zip(gens, firsts):
+                if not isinstance(f, BaseException):  # cancelling a refused request re-raises its BackPressureError
+                    g.cancel()
             if isinstance(failed, ValueError):  # the decoder's own validation (the checks above should catch it)
                 raise APIError(400, str(_root(failed))) from failed
             if isinstance(failed, BackPressureError):
