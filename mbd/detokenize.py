@@ -56,6 +56,27 @@ class TextStream:
     def text(self) -> str:
         return self._text
 
+    @property
+    def returned_tokens(self) -> int:
+        """Tokens that the returned text came from: all of them, or up to the stop string (usage counts these)."""
+        return self._covering(len(self._text)) if self.stopped else len(self.token_ids)
+
+    @property
+    def released_tokens(self) -> int:
+        """Tokens behind the text released so far (continuous usage statistics)."""
+        return self._covering(self._emitted)
+
+    def _covering(self, n_chars: int) -> int:
+        """The fewest leading tokens whose text reaches n_chars characters (binary search over prefixes)."""
+        lo, hi = 0, len(self.token_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.tok.decode(self.token_ids[:mid])) >= n_chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
     def _cut_at_stop(self, new_from: int) -> None:
         """Cut the text before the first stop string that ends after position `new_from`."""
         if not self.stop:

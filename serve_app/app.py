@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from actors.decoder import Delta, EngineHost
 from actors.tp_worker import ModelSpec
 from mbd.config import DecodeConfig, ModelConfig, read_json
+from mbd.detokenize import TextStream
 from mbd.tokenizer import Tokenizer, TokenizerError
 from serve_app.config import DEFAULT_MAX_BODY, ServeConfig, load_serve_config
 from serve_app.metrics import DecoderMetrics, IngressMetrics
@@ -42,7 +43,6 @@ from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChun
                                 CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, ErrorBody,
                                 ErrorResponse, MBDStats, ModelCard, ModelList, SamplingFields, TokenLogprob, Usage,
                                 field_path, from_validation_error, new_id, now)
-from serve_app.textstream import TextStream
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
 MBD_FIELDS = ("buffer_size", "tau_add", "tau_semi", "tau_stable", "tau_m2t", "tau_t2t")

@@ -17,7 +17,6 @@ from mbd.tiny.vocab import save_tokenizer, special_token_ids, vocab
 from mbd.tokenizer import Tokenizer
 from serve_app.protocol import field_path
 from serve_app.config import load_serve_config
-from serve_app.textstream import TextStream
 
 REPO = Path(__file__).resolve().parents[2]
 DECODE = DecodeConfig(buffer_size=2, tau_add=0.1, tau_semi=0.9, tau_m2t=0.9, max_length=1024, max_new_tokens=1000)
@@ -49,49 +48,6 @@ def ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tok(ckpt) -> Tokenizer:
     return Tokenizer.from_dir(ckpt, load_checkpoint(ckpt)[1])
-
-
-# ---- TextStream ----
-
-
-def _pieces(tok: Tokenizer, text: str, stop: list[str], block: int) -> tuple[list[str], TextStream]:
-    ids = tok.encode(text)
-    ts = TextStream(tok, stop)
-    out = [ts.push(ids[i:i + block]) for i in range(0, len(ids), block)]
-    return out + [ts.finish()], ts
-
-
-@pytest.mark.parametrize("block", [1, 2, 3, 4])
-def test_textstream_stop_string_across_blocks(tok, block):
-    pieces, ts = _pieces(tok, "abc12+34=46;xyz", ["=46;", "zz"], block)
-    assert "".join(pieces) == "abc12+34" and ts.stopped
-    assert ts.text == "abc12+34"
-
-
-def test_textstream_holds_back_only_possible_stop_prefixes(tok):
-    ts = TextStream(tok, ["+3="])
-    assert ts.push(tok.encode("12+")) == "12"  # "+" may start the stop string
-    assert ts.push(tok.encode("4")) == "+4"  # it did not
-    assert ts.push(tok.encode("+3")) == ""
-    assert ts.push(tok.encode("=9")) == "" and ts.stopped
-    assert ts.finish() == ""
-
-
-def test_textstream_without_stop_streams_everything(tok):
-    pieces, ts = _pieces(tok, "hello world 1+2=3", [], 4)
-    assert "".join(pieces) == "hello world 1+2=3" and not ts.stopped
-    assert all(pieces[:-1])  # nothing held back without stop strings
-
-
-def test_textstream_waits_for_incomplete_utf8():
-    class ByteTok:  # decodes ids as raw bytes: an id sequence may end inside a UTF-8 character
-        def decode(self, ids):
-            return bytes(ids).decode("utf-8", errors="replace")
-
-    ts = TextStream(ByteTok())
-    euro = list("€".encode())
-    assert ts.push([ord("a")] + euro[:2]) == "a"
-    assert ts.push(euro[2:]) == "€"
 
 
 # ---- configs and error names ----

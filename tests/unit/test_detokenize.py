@@ -102,3 +102,17 @@ def test_one_full_decode_per_request_not_per_block(bpe_tok, monkeypatch):
         ts.push(ids[i:i + 4])
     ts.finish()
     assert calls == [len(ids)]  # only finish's reconciliation decodes the whole output
+
+
+def test_returned_tokens_count_only_what_precedes_the_stop_string(char_tok):
+    ids = char_tok.encode("4*5=20;stop")
+    pieces, ts = stream(char_tok, ids, ["*"], 4)
+    assert "".join(pieces) == "4" and ts.returned_tokens == 1  # usage: 1 token, not the 4 of the block
+    _, ts = stream(char_tok, ids, [], 4)
+    assert ts.returned_tokens == len(ids)
+
+
+def test_released_tokens_follow_the_released_text(char_tok):
+    ts = TextStream(char_tok, ["+3="])
+    ts.push(char_tok.encode("12+"))  # "12" released, "+" held back
+    assert ts.released_tokens == 2
