@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import logging
 import shutil
 import socket
 import sys
@@ -212,24 +212,18 @@ def prepare_run_dir(path: Path, fresh: bool = True) -> Path:
 RAY_LOG = "ray.log"
 
 
-def route_ray_logs(path: Path) -> None:
-    """Send the driver's Ray loggers (Ray Data's INFO lines, Ray Train, Ray Serve) to `path` instead of the
-    console: the console shows one line per stage and the results. Worker output stays in Ray's session
-    directory (log_to_driver=False)."""
-    import logging
-
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+def route_ray_logs(handler: logging.Handler) -> None:
+    """Send the driver's Ray loggers (Ray Data's INFO lines, Ray Train, Ray Serve) to `handler` (a file) instead
+    of the console: the console shows one line per stage and the results. Worker output stays in Ray's
+    session directory (log_to_driver=False). Called before and after ray.init, which configures them."""
     for name in ["ray"] + [n for n in logging.root.manager.loggerDict if n.startswith("ray.")]:
         logger = logging.getLogger(name)
         for h in list(logger.handlers):
-            if not isinstance(h, logging.FileHandler):
+            if h is not handler:
                 logger.removeHandler(h)
-        if name == "ray":
-            logger.addHandler(handler)
-            logger.propagate = False
-        else:
-            logger.propagate = True
+        logger.propagate = name != "ray"
+    if handler not in logging.getLogger("ray").handlers:
+        logging.getLogger("ray").addHandler(handler)
 
 
 @contextmanager
@@ -239,23 +233,27 @@ def ray_session(num_cpus: int, run: Path) -> Iterator[None]:
     import os
 
     import ray
-    import ray.data  # noqa: F401  (configures its loggers now, so that they are routed too)
-    import ray.train  # noqa: F401
+    import ray.data  # noqa: F401  (configures its loggers on import: import now, so that they are routed too)
 
+    handler = logging.FileHandler(run / RAY_LOG)
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    route_ray_logs(handler)
+    print(f"    Ray's driver log: {run / RAY_LOG}; worker logs: Ray's session directory "
+          f"(/tmp/ray/session_latest/logs on a local cluster)", flush=True)
     started = not ray.is_initialized()
     if started:
         if os.environ.get("RAY_ADDRESS"):
             ray.init(log_to_driver=False)
         else:
             ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    route_ray_logs(run / RAY_LOG)
-    print(f"    Ray's driver log: {run / RAY_LOG}; worker logs: Ray's session directory "
-          f"(/tmp/ray/session_latest/logs on a local cluster)", flush=True)
+    route_ray_logs(handler)
     try:
         yield
     finally:
         if started:
             ray.shutdown()
+        handler.close()
 
 
 def write_corpus(path: Path, problems: int, seed: int) -> Path:
@@ -303,6 +301,8 @@ def train_config(cfg: QuickstartConfig, run: Path, base: Path, rows_dir: str, na
 def train_stage(cfg: QuickstartConfig, run: Path, base: Path, rows_dir: str, progress: bool, **kw: Any):
     from pipelines.train_multitf import run_train
 
+    print("    one-time start first: each worker imports DeepSpeed, loads the base and joins the gloo process group "
+          "(about a minute on 2 idle cores)", flush=True)
     summary = run_train(train_config(cfg, run, base, rows_dir, **kw), show_progress=progress)
     probes = [m["probe_loss"] for m in summary.history if "probe_loss" in m]
     print(f"    {summary.last_step} steps, loss {summary.final.get('loss', float('nan')):.4f}, probe loss "
@@ -429,7 +429,7 @@ def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False, progress: 
     with ray_session(cfg.num_cpus, run):
         import ray
 
-        ray.data.DataContext.get_current().enable_progress_bars = progress
+        ray.data.DataContext.get_current().enable_progress_bars = False  # one line per stage: expand prints its summary
         with stages.run("expand", f"Ray Data: {cfg.corpus.problems} train-split problems -> MultiTF group-layouts"):
             corpus = write_corpus(run / "corpus" / "train.jsonl", cfg.corpus.problems, cfg.seed)
             expanded = expand_stage(cfg, corpus, run / "layouts", base)
