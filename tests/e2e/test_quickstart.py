@@ -94,3 +94,32 @@ def test_bad_config_values_name_the_field():
         load_config(DEFAULT_CONFIG, {"train.stepz": 3})
     with pytest.raises(ConfigError, match="corpus.problems"):
         load_config(DEFAULT_CONFIG, {"corpus.problems": 10**9})
+
+
+def test_reproduce_judges_from_stored_records_and_marks_missing_parts_not_run(tmp_path):
+    from mbd.eval.benchmarks import get_benchmark
+    from mbd.eval.sweep import ItemRecord, ResultStore
+    from pipelines.reproduce import judge_all, methods_for
+
+    cfg = load_config(DEFAULT_CONFIG, {"eval.problems": 4})
+    methods = methods_for(cfg, ["chain"])
+    store = ResultStore(tmp_path / "eval")
+    ids = [p.problem_id for p in get_benchmark("tinymath").load(limit=4)]
+    stored = set()
+    for label, key, path, model in methods:
+        for o in cfg.eval.overrides(path):
+            config = f"{key}" + "".join(f".{k}={v}" for k, v in o.items())
+            stored.add((model, config))
+            for i, pid in enumerate(ids):
+                store.append(ItemRecord(model=model, config=config, benchmark="tinymath", problem_id=pid,
+                                        completion="", correct=i < 3, nfe=4, num_generated=8, tpf=2.0,
+                                        wall_time_s=0.1, step_latency_ms=1.0, finish_reason="eos"))
+    claims = judge_all(cfg, tmp_path, methods, stored)
+    assert [c.id for c in claims] == list("abcdef")
+    verdicts = {c.id: c.verdict for c in claims}
+    assert verdicts["a"] == "NOT REPRODUCED"  # every method has the same TPF: a 1.00x gain
+    assert verdicts["b"] == "NOT REPRODUCED" and verdicts["c"] == "NOT REPRODUCED"  # no TPF gain, nothing lost
+    assert (verdicts["d"], verdicts["e"], verdicts["f"]) == ("NOT RUN", "NOT RUN", "NOT RUN")
+    assert "1.00x" in claims[0].evidence
+    missing = stored - {("mbd-chain", "mbd-chain")}  # the MBD operating point
+    assert {c.id: c.verdict for c in judge_all(cfg, tmp_path, methods, missing)}["a"] == "NOT RUN"
