@@ -301,8 +301,8 @@ def train_config(cfg: QuickstartConfig, run: Path, base: Path, rows_dir: str, na
 def train_stage(cfg: QuickstartConfig, run: Path, base: Path, rows_dir: str, progress: bool, **kw: Any):
     from pipelines.train_multitf import run_train
 
-    print("    one-time start first: each worker imports DeepSpeed, loads the base and joins the gloo process group "
-          "(about a minute on 2 idle cores)", flush=True)
+    print("    first step waits for one-time work: on the first run DeepSpeed compiles its CPU op deepspeed_shm_comm "
+          "(about a minute, cached in ~/.cache/torch_extensions), then each worker loads the base", flush=True)
     summary = run_train(train_config(cfg, run, base, rows_dir, **kw), show_progress=progress)
     probes = [m["probe_loss"] for m in summary.history if "probe_loss" in m]
     print(f"    {summary.last_step} steps, loss {summary.final.get('loss', float('nan')):.4f}, probe loss "
