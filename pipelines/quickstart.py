@@ -43,6 +43,7 @@ from mbd.multitf.schedulers import SchedulerConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
+APP_NAME = "mbd-quickstart"
 MARKER = ".mbd-quickstart"  # a run directory holding it was made by this command and may be rebuilt
 BENCHMARK = "tinymath"
 STAGES = ("expand", "train", "eval", "serve")
@@ -227,9 +228,9 @@ def route_ray_logs(handler: logging.Handler) -> None:
 
 
 @contextmanager
-def ray_session(num_cpus: int, run: Path) -> Iterator[None]:
-    """Reuse a connected Ray, else join RAY_ADDRESS, else start a local cluster; shut down only what we started.
-    Ray's driver-side logging goes to <run>/ray.log for the session."""
+def ray_session(num_cpus: int, run: Path) -> Iterator[bool]:
+    """Reuse a connected Ray, else join RAY_ADDRESS, else start a local cluster; shut down only what we started
+    (yields whether we started it). Ray's driver-side logging goes to <run>/ray.log for the session."""
     import os
 
     import ray
@@ -249,7 +250,7 @@ def ray_session(num_cpus: int, run: Path) -> Iterator[None]:
             ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     route_ray_logs(handler)
     try:
-        yield
+        yield started
     finally:
         if started:
             ray.shutdown()
@@ -376,8 +377,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_stage(cfg: QuickstartConfig, model_dir: Path, keep_serving: bool) -> ServeReply:
-    """Deploy the OpenAI-compatible app on loopback, send one chat request, print it, shut Serve down."""
+def serve_stage(cfg: QuickstartConfig, model_dir: Path, keep_serving: bool, own_cluster: bool) -> ServeReply:
+    """Deploy the OpenAI-compatible app on loopback, send one chat request, print it, take the app down.
+
+    On a cluster we started, the app is deleted and `ray.shutdown()` ends Serve's actors: `serve.shutdown()`
+    would have the controller kill itself inside its own retried `graceful_shutdown` task, which Ray reports as a
+    failed task on the console. On a cluster we joined, Serve is shut down as we found it."""
     from ray import serve
 
     from mbd.tiny.task import generate
@@ -392,7 +397,7 @@ def serve_stage(cfg: QuickstartConfig, model_dir: Path, keep_serving: bool) -> S
     url = f"http://127.0.0.1:{port}{scfg.http.route_prefix.rstrip('/')}/v1"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app({"serve_config": scfg}), name="mbd-quickstart", route_prefix=scfg.http.route_prefix)
+        serve.run(build_app({"serve_config": scfg}), name=APP_NAME, route_prefix=scfg.http.route_prefix)
         body = {"model": scfg.model.name, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": cfg.serve.max_tokens, "temperature": 0}
         print(f"    POST {url}/chat/completions {json.dumps(body)}", flush=True)
@@ -414,7 +419,9 @@ def serve_stage(cfg: QuickstartConfig, model_dir: Path, keep_serving: bool) -> S
                 print("    stopping", flush=True)
         return reply
     finally:
-        serve.shutdown()
+        serve.delete(APP_NAME)
+        if not own_cluster:
+            serve.shutdown()
 
 
 def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False, progress: bool = True) -> QuickstartSummary:
@@ -426,7 +433,7 @@ def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False, progress: 
     run = prepare_run_dir(Path(cfg.run_dir))
     stages = Stages(STAGES if cfg.serve.enabled else STAGES[:3])
     reply = None
-    with ray_session(cfg.num_cpus, run):
+    with ray_session(cfg.num_cpus, run) as own_cluster:
         import ray
 
         ray.data.DataContext.get_current().enable_progress_bars = False  # one line per stage: expand prints its summary
@@ -442,7 +449,7 @@ def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False, progress: 
             swept, rows = eval_stage(cfg, run, base, mbd_dir, progress)
         if cfg.serve.enabled:
             with stages.run("serve", "Ray Serve: the MBD model answers one OpenAI-style request"):
-                reply = serve_stage(cfg, mbd_dir, keep_serving)
+                reply = serve_stage(cfg, mbd_dir, keep_serving, own_cluster)
     table = method_table(rows, section_title(cfg), BENCHMARK)
     curves = curves_of(cfg, run, main_methods(cfg))
     comparisons = [comparison_line(curves[SINGLEBD], curves[m]) for m in (MBD, MBD_AS_SINGLEBD)]

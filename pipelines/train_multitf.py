@@ -51,6 +51,7 @@ from mbd.train_config import TrainConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 POLL_S = 0.5
+SHUFFLE_BUFFER_ROWS = 4096  # rows each worker draws its Parquet micro-batches from at random
 
 
 class TrainSummary(BaseModel):
@@ -95,12 +96,17 @@ def parquet_batches(cfg: TrainConfig, mcfg: ModelConfig, device: torch.device) -
     """Endless micro-batches of this worker's shard; equal shard sizes keep the workers in step."""
     shard = ray.train.get_dataset_shard("train")
     fn = RowCollate(mcfg.block_size, mcfg.pad_token_id, cfg.attention, device)
+    epoch = 0
     while True:
         empty = True
+        # `mbd expand` writes a sequence's |Lambda| layouts next to each other: without a shuffle buffer a
+        # micro-batch would hold the layouts of one or two sequences (issue 11: -9 pp MBD accuracy on tinymath)
         for batch in shard.iter_torch_batches(batch_size=cfg.deepspeed.micro_batch_size, collate_fn=fn,
-                                              drop_last=True):
+                                              drop_last=True, local_shuffle_buffer_size=SHUFFLE_BUFFER_ROWS,
+                                              local_shuffle_seed=cfg.seed + epoch):
             empty = False
             yield batch
+        epoch += 1
         if empty:
             raise ValueError(f"data.parquet: this worker's shard has fewer than micro_batch_size="
                              f"{cfg.deepspeed.micro_batch_size} rows; add data or lower num_workers")
