@@ -86,7 +86,7 @@ class EvalSection(StrictModel):
                                         description="decode overrides of every method; point 0 is the operating "
                                                     "point")
     multibd_curve: list[dict[str, Any]] = Field(
-        default=[{"tau_add": 0.5}, {"buffer_size": 2}],
+        default=[{"tau_add": 0.25}, {"buffer_size": 2}],
         description="further points of MultiBD methods only (buffer_size / tau_add do nothing under SingleBD)")
     batch_size: int = Field(default=16, ge=1)
     trace_problems: int = Field(default=32, ge=0)
