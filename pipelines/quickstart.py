@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import logging
 import shutil
 import socket
 import sys
@@ -36,17 +36,19 @@ import yaml
 from pydantic import BaseModel, Field, model_validator
 
 from mbd.config import ConfigError, DecodeConfig, StrictModel, load_yaml, validate
-from mbd.eval.metrics import AupPoint, aup
-from mbd.eval.report import CellMetrics
-from mbd.eval.sweep import resolve_path
+from mbd.eval.report import CellMetrics, Curve, Method, MethodRow, comparison_line, load_curve, method_rows, \
+    method_table
+from mbd.eval.sweep import ResultStore, resolve_path
 from mbd.multitf.schedulers import SchedulerConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
+APP_NAME = "mbd-quickstart"
 MARKER = ".mbd-quickstart"  # a run directory holding it was made by this command and may be rebuilt
 BENCHMARK = "tinymath"
 STAGES = ("expand", "train", "eval", "serve")
 SINGLEBD, MULTIBD_TF, MBD = "SingleBD (Native)", "MultiBD (training-free)", "MBD-tiny"
+MBD_AS_SINGLEBD = "MBD-tiny decoded SingleBD"  # diagnostic: what post-training did to SingleBD quality
 
 
 # ---------------------------------------------------------------- configuration
@@ -77,19 +79,28 @@ class TrainSection(StrictModel):
 
 
 class EvalSection(StrictModel):
-    problems: int = Field(default=200, gt=0, description="first N problems of the held-out split")
+    problems: int = Field(default=1000, gt=0, description="first N problems of the held-out split")
     singlebd: str = "configs/decode/tiny_singlebd.yaml"
     multibd: str = "configs/decode/tiny_multibd.yaml"
-    curve: list[dict[str, Any]] = Field(default=[{}, {"tau_m2t": 0.8}, {"tau_m2t": 0.95}], min_length=1,
-                                        description="decode overrides; point 0 is the operating point")
+    curve: list[dict[str, Any]] = Field(default=[{}, {"tau_m2t": 0.7}, {"tau_m2t": 0.5}], min_length=1,
+                                        description="decode overrides of every method; point 0 is the operating "
+                                                    "point")
+    multibd_curve: list[dict[str, Any]] = Field(
+        default=[{"tau_add": 0.25}, {"buffer_size": 2}],
+        description="further points of MultiBD methods only (buffer_size / tau_add do nothing under SingleBD)")
     batch_size: int = Field(default=16, ge=1)
     trace_problems: int = Field(default=32, ge=0)
+
+    def overrides(self, path: str) -> list[dict[str, Any]]:
+        """The curve of the method decoding with `path`: `curve`, plus `multibd_curve` when it is MultiBD."""
+        base = load_yaml(resolve_path(path), DecodeConfig)
+        return self.curve + (self.multibd_curve if base.buffer_size > 1 else [])
 
     def points(self, path: str) -> list[DecodeConfig]:
         """The curve's DecodeConfigs for one decode YAML (fails naming the bad override)."""
         base = load_yaml(resolve_path(path), DecodeConfig)
-        return [validate(DecodeConfig, {**base.model_dump(), **o}, f"eval.curve[{i}] on {path}")
-                for i, o in enumerate(self.curve)]
+        return [validate(DecodeConfig, {**base.model_dump(), **o}, f"eval curve point {i} ({o}) on {path}")
+                for i, o in enumerate(self.overrides(path))]
 
 
 class ServeSection(StrictModel):
@@ -113,12 +124,14 @@ class QuickstartConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> "QuickstartConfig":
+        from mbd.eval.benchmarks import get_benchmark
         from mbd.tiny.task import split_size
 
         if self.corpus.problems > split_size("train"):
             raise ValueError(f"corpus.problems={self.corpus.problems}: the train split holds {split_size('train')}")
-        if self.eval.problems > split_size("heldout"):
-            raise ValueError(f"eval.problems={self.eval.problems}: the held-out split holds {split_size('heldout')}")
+        held = len(get_benchmark(BENCHMARK).load(limit=self.eval.problems))
+        if held < self.eval.problems:
+            raise ValueError(f"eval.problems={self.eval.problems}: the {BENCHMARK} benchmark holds {held}")
         for path in (self.eval.singlebd, self.eval.multibd):
             self.eval.points(path)  # a bad decode file or override fails before any stage runs
         return self
@@ -143,20 +156,6 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Qu
 
 # ---------------------------------------------------------------- results
 
-class MethodRow(BaseModel):
-    """One row of the tab:main_results-style table: the operating point and the AUP of its curve."""
-
-    method: str
-    model: str
-    config: str
-    n: int
-    accuracy: float
-    tpf: float
-    tps: float
-    aup: float | None
-    curve: list[tuple[float, float]] = Field(description="(TPF, Acc) of every curve point")
-
-
 class ServeReply(BaseModel):
     url: str
     prompt: str
@@ -174,38 +173,11 @@ class QuickstartSummary(BaseModel):
     train_final: dict[str, float]
     model_dir: str
     rows: list[MethodRow]
+    comparisons: list[str] = Field(description="paired accuracy differences (95% CI, exact McNemar) vs SingleBD")
     table_markdown: str
     report_path: str
     plots: list[str]
     serve: ServeReply | None
-
-
-def method_rows(cells: Sequence[CellMetrics], methods: Sequence[tuple[str, str, Sequence[str]]]) -> list[MethodRow]:
-    """(label, model, point configs) -> rows; the first config is the operating point, AUP spans all points."""
-    by = {(c.model, c.config): c for c in cells if c.benchmark == BENCHMARK}
-    rows = []
-    for label, model, configs in methods:
-        missing = [c for c in configs if (model, c) not in by]
-        if missing:
-            raise RuntimeError(f"the sweep stored no {BENCHMARK} results for {model} / {missing}")
-        pts = [by[(model, c)] for c in configs]
-        curve = [(p.tpf, p.accuracy) for p in pts]
-        area = aup([AupPoint(tpf=t, accuracy=a) for t, a in curve]) if len(pts) > 1 and min(curve)[0] > 0 else None
-        op = pts[0]
-        rows.append(MethodRow(method=label, model=model, config=configs[0], n=op.n, accuracy=op.accuracy,
-                              tpf=op.tpf, tps=op.tps, aup=area, curve=curve))
-    return rows
-
-
-def format_table(rows: Sequence[MethodRow], section: str) -> str:
-    """Markdown in tab:main_results' layout (one benchmark, so its columns are also the average)."""
-    def f(x: float | None, spec: str = ".2f") -> str:
-        return "–" if x is None or not math.isfinite(x) else format(x, spec)
-
-    lines = ["| Model | tinymath Acc ↑ | tinymath TPF ↑ | TPS ↑ | AUP ↑ |", "|:---|---:|---:|---:|---:|",
-             f"| ***{section}*** | | | | |"]
-    lines += [f"| {r.method} | {f(r.accuracy)} | {f(r.tpf)} | {f(r.tps, '.1f')} | {f(r.aup)} |" for r in rows]
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- stages
@@ -238,25 +210,51 @@ def prepare_run_dir(path: Path, fresh: bool = True) -> Path:
     return path
 
 
+RAY_LOG = "ray.log"
+
+
+def route_ray_logs(handler: logging.Handler) -> None:
+    """Send the driver's Ray loggers (Ray Data's INFO lines, Ray Train, Ray Serve) to `handler` (a file) instead
+    of the console: the console shows one line per stage and the results. Worker output stays in Ray's
+    session directory (log_to_driver=False). Called before and after ray.init, which configures them."""
+    for name in ["ray"] + [n for n in logging.root.manager.loggerDict if n.startswith("ray.")]:
+        logger = logging.getLogger(name)
+        for h in list(logger.handlers):
+            if h is not handler:
+                logger.removeHandler(h)
+        logger.propagate = name != "ray"
+    if handler not in logging.getLogger("ray").handlers:
+        logging.getLogger("ray").addHandler(handler)
+
+
 @contextmanager
-def ray_session(num_cpus: int) -> Iterator[None]:
-    """Reuse a connected Ray, else join RAY_ADDRESS, else start a local cluster; shut down only what we started."""
+def ray_session(num_cpus: int, run: Path) -> Iterator[bool]:
+    """Reuse a connected Ray, else join RAY_ADDRESS, else start a local cluster; shut down only what we started
+    (yields whether we started it). Ray's driver-side logging goes to <run>/ray.log for the session."""
     import os
 
     import ray
+    import ray.data  # noqa: F401  (configures its loggers on import: import now, so that they are routed too)
 
+    handler = logging.FileHandler(run / RAY_LOG)
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    route_ray_logs(handler)
+    print(f"    Ray's driver log: {run / RAY_LOG}; worker logs: Ray's session directory "
+          f"(/tmp/ray/session_latest/logs on a local cluster)", flush=True)
     started = not ray.is_initialized()
     if started:
         if os.environ.get("RAY_ADDRESS"):
-            ray.init()
+            ray.init(log_to_driver=False)
         else:
-            # worker logs stay in /tmp/ray/session_latest/logs: the console shows the stages, bars and results
             ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    route_ray_logs(handler)
     try:
-        yield
+        yield started
     finally:
         if started:
             ray.shutdown()
+        handler.close()
 
 
 def write_corpus(path: Path, problems: int, seed: int) -> Path:
@@ -304,6 +302,8 @@ def train_config(cfg: QuickstartConfig, run: Path, base: Path, rows_dir: str, na
 def train_stage(cfg: QuickstartConfig, run: Path, base: Path, rows_dir: str, progress: bool, **kw: Any):
     from pipelines.train_multitf import run_train
 
+    print("    first step waits for one-time work: on the first run DeepSpeed compiles its CPU op deepspeed_shm_comm "
+          "(about a minute, cached in ~/.cache/torch_extensions), then each worker loads the base", flush=True)
     summary = run_train(train_config(cfg, run, base, rows_dir, **kw), show_progress=progress)
     probes = [m["probe_loss"] for m in summary.history if "probe_loss" in m]
     print(f"    {summary.last_step} steps, loss {summary.final.get('loss', float('nan')):.4f}, probe loss "
@@ -322,7 +322,7 @@ def sweep_config(cfg: QuickstartConfig, out: Path, models: Sequence[tuple[str, P
     from mbd.eval.sweep import SweepConfig
 
     decoding = [{"name": point_name(key, o), "config": str(resolve_path(path)), "overrides": o, "curve": label,
-                 "models": [model]} for label, key, path, model in methods for o in cfg.eval.curve]
+                 "models": [model]} for label, key, path, model in methods for o in cfg.eval.overrides(path)]
     return SweepConfig.model_validate({
         "name": out.parent.name, "output_dir": str(out),
         "models": [{"name": n, "path": str(p), "section": "tiny"} for n, p in models],
@@ -334,13 +334,27 @@ def sweep_config(cfg: QuickstartConfig, out: Path, models: Sequence[tuple[str, P
 
 def main_methods(cfg: QuickstartConfig) -> list[tuple[str, str, str, str]]:
     return [(SINGLEBD, "singlebd", cfg.eval.singlebd, "base"), (MULTIBD_TF, "multibd-tf", cfg.eval.multibd, "base"),
-            (MBD, "mbd", cfg.eval.multibd, "mbd-tiny")]
+            (MBD, "mbd", cfg.eval.multibd, "mbd-tiny"), (MBD_AS_SINGLEBD, "mbd-singlebd", cfg.eval.singlebd, "mbd-tiny")]
+
+
+def as_methods(cfg: QuickstartConfig, methods: Sequence[tuple[str, str, str, str]]) -> list[Method]:
+    """(label, key, decode YAML, model) -> report Methods whose configs are the sweep's curve-point names."""
+    return [Method(label=label, model=model, configs=[point_name(key, o) for o in cfg.eval.overrides(path)])
+            for label, key, path, model in methods]
 
 
 def rows_of(cfg: QuickstartConfig, cells: Sequence[CellMetrics],
             methods: Sequence[tuple[str, str, str, str]]) -> list[MethodRow]:
-    return method_rows(cells, [(label, model, [point_name(key, o) for o in cfg.eval.curve])
-                               for label, key, _, model in methods])
+    return method_rows(cells, as_methods(cfg, methods), BENCHMARK)
+
+
+def curves_of(cfg: QuickstartConfig, run: Path, methods: Sequence[tuple[str, str, str, str]]) -> dict[str, Curve]:
+    """Per-problem records of each method's curve, on the evaluated held-out problems."""
+    from mbd.eval.benchmarks import get_benchmark
+
+    ids = [p.problem_id for p in get_benchmark(BENCHMARK).load(limit=cfg.eval.problems)]
+    store = ResultStore(run / "eval")
+    return {m.label: load_curve(store, m, BENCHMARK, ids) for m in as_methods(cfg, methods)}
 
 
 def section_title(cfg: QuickstartConfig) -> str:
@@ -363,8 +377,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_stage(cfg: QuickstartConfig, model_dir: Path, keep_serving: bool) -> ServeReply:
-    """Deploy the OpenAI-compatible app on loopback, send one chat request, print it, shut Serve down."""
+def serve_stage(cfg: QuickstartConfig, model_dir: Path, keep_serving: bool, own_cluster: bool) -> ServeReply:
+    """Deploy the OpenAI-compatible app on loopback, send one chat request, print it, take the app down.
+
+    On a cluster we started, the app is deleted and `ray.shutdown()` ends Serve's actors: `serve.shutdown()`
+    would have the controller kill itself inside its own retried `graceful_shutdown` task, which Ray reports as a
+    failed task on the console. On a cluster we joined, Serve is shut down as we found it."""
     from ray import serve
 
     from mbd.tiny.task import generate
@@ -379,7 +397,7 @@ def serve_stage(cfg: QuickstartConfig, model_dir: Path, keep_serving: bool) -> S
     url = f"http://127.0.0.1:{port}{scfg.http.route_prefix.rstrip('/')}/v1"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app({"serve_config": scfg}), name="mbd-quickstart", route_prefix=scfg.http.route_prefix)
+        serve.run(build_app({"serve_config": scfg}), name=APP_NAME, route_prefix=scfg.http.route_prefix)
         body = {"model": scfg.model.name, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": cfg.serve.max_tokens, "temperature": 0}
         print(f"    POST {url}/chat/completions {json.dumps(body)}", flush=True)
@@ -401,7 +419,9 @@ def serve_stage(cfg: QuickstartConfig, model_dir: Path, keep_serving: bool) -> S
                 print("    stopping", flush=True)
         return reply
     finally:
-        serve.shutdown()
+        serve.delete(APP_NAME)
+        if not own_cluster:
+            serve.shutdown()
 
 
 def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False, progress: bool = True) -> QuickstartSummary:
@@ -413,10 +433,10 @@ def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False, progress: 
     run = prepare_run_dir(Path(cfg.run_dir))
     stages = Stages(STAGES if cfg.serve.enabled else STAGES[:3])
     reply = None
-    with ray_session(cfg.num_cpus):
+    with ray_session(cfg.num_cpus, run) as own_cluster:
         import ray
 
-        ray.data.DataContext.get_current().enable_progress_bars = progress
+        ray.data.DataContext.get_current().enable_progress_bars = False  # one line per stage: expand prints its summary
         with stages.run("expand", f"Ray Data: {cfg.corpus.problems} train-split problems -> MultiTF group-layouts"):
             corpus = write_corpus(run / "corpus" / "train.jsonl", cfg.corpus.problems, cfg.seed)
             expanded = expand_stage(cfg, corpus, run / "layouts", base)
@@ -425,25 +445,31 @@ def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False, progress: 
             trained = train_stage(cfg, run, base, expanded.rows_dir, progress)
         mbd_dir = Path(trained.export_dir)
         with stages.run("eval", f"{cfg.eval.problems} held-out problems: SingleBD / MultiBD training-free / MBD, "
-                                f"{len(cfg.eval.curve)} points per AUP curve"):
+                                f"{len(cfg.eval.curve)}+{len(cfg.eval.multibd_curve)} points per AUP curve"):
             swept, rows = eval_stage(cfg, run, base, mbd_dir, progress)
         if cfg.serve.enabled:
             with stages.run("serve", "Ray Serve: the MBD model answers one OpenAI-style request"):
-                reply = serve_stage(cfg, mbd_dir, keep_serving)
-    table = format_table(rows, section_title(cfg))
+                reply = serve_stage(cfg, mbd_dir, keep_serving, own_cluster)
+    table = method_table(rows, section_title(cfg), BENCHMARK)
+    curves = curves_of(cfg, run, main_methods(cfg))
+    comparisons = [comparison_line(curves[SINGLEBD], curves[m]) for m in (MBD, MBD_AS_SINGLEBD)]
     summary = QuickstartSummary(
         run_dir=str(run), stage_wall_s=stages.wall_s, total_wall_s=round(time.perf_counter() - t0, 1),
         rows_out=expanded.rows_out, layouts_per_sequence=expanded.layouts_per_sequence, train_final=trained.final,
-        model_dir=str(mbd_dir), rows=rows, table_markdown=table, report_path=swept.report_path, plots=swept.plots,
+        model_dir=str(mbd_dir), rows=rows, comparisons=comparisons, table_markdown=table, report_path=swept.report_path, plots=swept.plots,
         serve=reply)
     (run / "quickstart.json").write_text(summary.model_dump_json(indent=2))
-    (run / "quickstart.md").write_text(f"# mbd quickstart\n\n{table}\n\nWall time per stage (s): "
+    lines = "".join(f"- {c}\n" for c in comparisons)
+    (run / "quickstart.md").write_text(f"# mbd quickstart\n\n{table}\n\n{lines}\nWall time per stage (s): "
                                        f"{json.dumps(stages.wall_s)}; total {summary.total_wall_s} s.\n")
     return summary
 
 
 def print_summary(s: QuickstartSummary) -> None:
     print(f"\n{s.table_markdown}\n")
+    for c in s.comparisons:
+        print(c)
+    print()
     print("wall time per stage: " + ", ".join(f"{k} {v:.1f} s" for k, v in s.stage_wall_s.items())
           + f"; total {s.total_wall_s:.1f} s")
     print(f"artefacts in {s.run_dir}/:\n  MBD model (HF):   {s.model_dir}\n  eval report:      {s.report_path}")

@@ -6,14 +6,18 @@ training steps, about 35 with the default 800, on 2 CPU cores; docs/reproduce.md
     mbd reproduce --parts schedulers --steps 150       # claim (d); reuses what earlier runs stored
     mbd reproduce --report-only                        # rewrite the report from what is stored
 
-Claims (paper section, checked with the numbers printed next to each verdict):
-  (a) MBD TPF >= 1.5x SingleBD at accuracy >= SingleBD - 1 pp           (tab:main_results)
-  (b) training-free MultiBD raises TPF but loses accuracy                (tab:main_results)
-  (c) MultiTF recovers it: MBD wins back >= half of the lost accuracy    (tab:main_results)
-  (d) chain-uniform has the best AUP among chain-uniform / D2F-monotonic / random / sorted-uniform (tab:ablation)
-  (e) systematic + random group-layouts beat each alone in AUP          (tab:ablation)
-  (f) active blocks per forward: mean about 2 (1.5-2.5), 3-4 occasionally (0 < share <= 50%)
-                                                                         (fig:train_infer_noise_activity D-E)
+Claims (paper section), each judged by a stated test on the same held-out problems (mbd.eval.report): a 95%
+interval wholly on the claim's side of its threshold is REPRODUCED, wholly on the other side NOT REPRODUCED,
+straddling it INCONCLUSIVE (the data cannot tell at this n):
+  (a) MBD TPF >= 1.78x SingleBD at accuracy >= SingleBD - 1 pp: paired Wald CI of the accuracy difference
+      above -1 pp (non-inferiority)                                                (tab:main_results, tab:tps)
+  (b) training-free MultiBD raises TPF but loses accuracy: paired CI of the loss above 0 (exact McNemar beside)
+  (c) MultiTF recovers >= half of that loss: paired CI of Acc(MBD) - Acc(training-free) above half the loss
+  (d) chain-uniform has the best AUP among chain-uniform / D2F-monotonic / random / sorted-uniform, and
+  (e) systematic + random group-layouts beat each alone in AUP: paired-bootstrap CI (over problems) of each AUP
+      difference above 0; every MultiBD curve sweeps tau_m2t down to 0.5, tau_add and buffer_size (tab:ablation)
+  (f) active blocks per forward: mean about 2 (bootstrap CI over requests inside [1.5, 2.5]), 3 or more
+      occasionally (0 < share <= 50%)                                     (fig:train_infer_noise_activity D-E)
 Every MBD variant post-trains the shipped base with the same corpus, steps and optimiser as `mbd quickstart`
 (the knobs of configs/quickstart.yaml) and differs only in the noise-scheduler or the group-layouts. The
 expansion job has no random-only mode: that variant is expanded with as many random layouts as there are
@@ -28,23 +32,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel
-
 from mbd.config import ConfigError
+from mbd.eval.report import Claim, Curve, MethodRow, claims_table, judge_active, judge_aup, judge_main, method_table
 from mbd.eval.sweep import ResultStore, resolve_path
 from mbd.multitf.layouts import num_layouts
-from pipelines.quickstart import (BENCHMARK, DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, MethodRow, QuickstartConfig,
-                                  Stages, expand_stage, format_table, load_config, point_name, ray_session,
-                                  rows_of, section_title, sweep_config, train_stage, write_corpus)
+from pipelines.quickstart import (BENCHMARK, DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, QuickstartConfig, Stages,
+                                  curves_of, expand_stage, load_config, point_name, ray_session, rows_of,
+                                  section_title, sweep_config, train_stage, write_corpus)
 
 PARTS: dict[str, tuple[str, ...]] = {
     "core": ("chain",),
@@ -68,17 +69,6 @@ VARIANTS: dict[str, Variant] = {
     "systematic": Variant("MBD: systematic layouts only", "chain_uniform", "systematic"),
     "random-layouts": Variant("MBD: random layouts only", "chain_uniform", "random"),
 }
-
-
-class Claim(BaseModel):
-    id: str
-    text: str
-    reproduced: bool | None  # None: its part was not run
-    evidence: str
-
-    @property
-    def verdict(self) -> str:
-        return {True: "REPRODUCED", False: "NOT REPRODUCED", None: "NOT RUN"}[self.reproduced]
 
 
 # ---------------------------------------------------------------- work
@@ -129,76 +119,30 @@ def methods_for(cfg: QuickstartConfig, variants: Sequence[str]) -> list[tuple[st
     return out + [(VARIANTS[v].label, f"mbd-{v}", cfg.eval.multibd, f"mbd-{v}") for v in variants]
 
 
-# ---------------------------------------------------------------- claims
+# ---------------------------------------------------------------- claims and report
 
-def se_pp(acc: float, n: int) -> float:
-    """Binomial standard error of an accuracy in percentage points."""
-    p = acc / 100
-    return 100 * math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
+def judge_all(cfg: QuickstartConfig, run: Path, methods: Sequence[tuple[str, str, str, str]],
+              stored: set[tuple[str, str]]) -> list[Claim]:
+    """Every claim from the per-problem records stored for the complete methods (others are NOT RUN)."""
+    complete = [m for m in methods if all((m[3], point_name(m[1], o)) in stored for o in cfg.eval.overrides(m[2]))]
+    curves = curves_of(cfg, run, complete)
 
+    def group(part: str) -> list[Curve] | None:
+        labels = [VARIANTS[v].label for v in PARTS[part]]
+        return [curves[label] for label in labels] if all(label in curves for label in labels) else None
 
-def active_block_stats(traces: Sequence[Sequence[dict]]) -> dict:
-    """Active (ACTIVE-slot) blocks per forward over every traced request."""
-    counts = [sum(s == "ACTIVE" for s in e["states"]) for t in traces for e in t]
-    hist = Counter(counts)
-    n = len(counts)
-    return {"requests": len(traces), "forwards": n, "mean": sum(counts) / n if n else float("nan"),
-            "share": {k: hist[k] / n for k in sorted(hist)} if n else {},
-            "share_3plus": sum(v for k, v in hist.items() if k >= 3) / n if n else float("nan")}
+    chain = VARIANTS["chain"].label
+    store = ResultStore(run / "eval")
+    traces = store.load_traces("mbd-chain", point_name("mbd-chain", cfg.eval.curve[0]), BENCHMARK)
+    return [*judge_main(curves.get(SINGLEBD), curves.get(MULTIBD_TF), curves.get(chain)),
+            judge_aup("d", group("schedulers")), judge_aup("e", group("layouts")),
+            judge_active(list(traces.values()))]
 
-
-def judge(rows: dict[str, MethodRow], stats: dict | None) -> list[Claim]:
-    """Verdicts from the rows present; a claim whose rows (or traces) are missing is NOT RUN."""
-    s, tf, m = rows.get(SINGLEBD), rows.get(MULTIBD_TF), rows.get(VARIANTS["chain"].label)
-    claims = []
-    if s and tf and m:
-        ratio = m.tpf / s.tpf if s.tpf else float("nan")
-        claims.append(Claim(id="a", text="MBD TPF >= 1.5x SingleBD at accuracy >= SingleBD - 1 pp",
-                            reproduced=ratio >= 1.5 and m.accuracy >= s.accuracy - 1.0,
-                            evidence=f"TPF ratio {ratio:.2f}x; Acc {m.accuracy:.2f} vs {s.accuracy:.2f} "
-                                     f"({m.accuracy - s.accuracy:+.2f} pp)"))
-        claims.append(Claim(id="b", text="training-free MultiBD raises TPF but loses accuracy",
-                            reproduced=tf.tpf > s.tpf and tf.accuracy < s.accuracy,
-                            evidence=f"TPF {s.tpf:.2f} -> {tf.tpf:.2f}; Acc {s.accuracy:.2f} -> {tf.accuracy:.2f} "
-                                     f"({tf.accuracy - s.accuracy:+.2f} pp, SE ±{se_pp(s.accuracy, s.n):.1f})"))
-        lost = s.accuracy - tf.accuracy
-        won = m.accuracy - tf.accuracy
-        claims.append(Claim(id="c", text="MultiTF recovers it (MBD wins back >= half of the accuracy MultiBD lost)",
-                            reproduced=lost > 0 and won >= 0.5 * lost,
-                            evidence=(f"lost {lost:.2f} pp, MBD recovers {won:+.2f} pp ({won / lost:.0%})" if lost > 0
-                                      else f"nothing to recover: training-free MultiBD lost {lost:.2f} pp; "
-                                           f"MBD vs training-free {won:+.2f} pp")))
-    else:
-        claims += [Claim(id=i, text=t, reproduced=None, evidence="no stored results") for i, t in
-                   (("a", "MBD TPF >= 1.5x SingleBD at accuracy >= SingleBD - 1 pp"),
-                    ("b", "training-free MultiBD raises TPF but loses accuracy"), ("c", "MultiTF recovers it"))]
-    for cid, part, text in (("d", "schedulers", "chain-uniform has the best AUP among the noise-schedulers"),
-                            ("e", "layouts", "systematic + random layouts beat each alone in AUP")):
-        group = [rows.get(VARIANTS[v].label) for v in PARTS[part]]
-        if not all(group) or any(r.aup is None for r in group):
-            claims.append(Claim(id=cid, text=text, reproduced=None, evidence=f"part '{part}' not run"))
-            continue
-        claims.append(Claim(id=cid, text=text, reproduced=all(group[0].aup > r.aup for r in group[1:]),
-                            evidence="; ".join(f"{r.method.removeprefix('MBD: ')} AUP {r.aup:.2f} "
-                                               f"(Acc {r.accuracy:.2f}, TPF {r.tpf:.2f})" for r in group)))
-    text = "active blocks per forward: mean about 2 (1.5-2.5), 3 or more occasionally (0 < share <= 50%)"
-    if stats and stats["forwards"]:
-        claims.append(Claim(id="f", text=text,
-                            reproduced=1.5 <= stats["mean"] <= 2.5 and 0 < stats["share_3plus"] <= 0.5,
-                            evidence=f"mean {stats['mean']:.2f} over {stats['forwards']} forwards of "
-                                     f"{stats['requests']} requests; share by count "
-                                     + ", ".join(f"{k}: {v:.1%}" for k, v in stats["share"].items())))
-    else:
-        claims.append(Claim(id="f", text=text, reproduced=None, evidence="no traces of the MBD model"))
-    return sorted(claims, key=lambda c: c.id)
-
-
-# ---------------------------------------------------------------- report
 
 def write_report(path: Path, cfg: QuickstartConfig, rows: dict[str, MethodRow], claims: Sequence[Claim],
-                 stats: dict | None, wall_s: dict[str, float], sweep_report: str) -> str:
+                 wall_s: dict[str, float], sweep_report: str) -> str:
     def table(labels: Sequence[str], title: str) -> str:
-        return format_table([rows[label] for label in labels if label in rows], title)
+        return method_table([rows[label] for label in labels if label in rows], title, BENCHMARK)
 
     t = cfg.train
     lines = [
@@ -206,21 +150,17 @@ def write_report(path: Path, cfg: QuickstartConfig, rows: dict[str, MethodRow], 
         f"Base: `{cfg.base_model}`; corpus: {cfg.corpus.problems} tinymath train problems; MultiTF: {t.steps} "
         f"steps, {t.num_workers} workers x micro-batch {t.micro_batch_size}, ZeRO-{t.zero_stage}, lr {t.lr}; "
         f"G_max {cfg.expand.gmax}, N_rand {cfg.expand.n_rand}; evaluation: first {cfg.eval.problems} held-out "
-        f"problems, greedy; AUP over the TPF-sorted curve points {cfg.eval.curve} (the paper's trapezoid formula; "
-        f"the first point is the operating point in the Acc/TPF/TPS columns). Seed {cfg.seed}.", "",
-        "## Claims", "",
-        "| Claim | Verdict | Evidence |", "|:---|:---|:---|",
-        *[f"| ({c.id}) {c.text} | **{c.verdict}** | {c.evidence} |" for c in claims], "",
+        f"problems, greedy; AUP over the TPF-sorted curve points {cfg.eval.curve} (+ {cfg.eval.multibd_curve} for "
+        f"MultiBD methods; the paper's trapezoid formula; the first point is the operating point in the "
+        f"Acc/TPF/TPS columns). Seed {cfg.seed}. Verdicts: REPRODUCED / NOT REPRODUCED when the stated 95% "
+        f"interval lies on one side of the claim's threshold, INCONCLUSIVE when it straddles it.", "",
+        "## Claims", "", claims_table(claims), "",
         "## Main comparison (tab:main_results layout)", "",
         table([SINGLEBD, MULTIBD_TF, VARIANTS["chain"].label], section_title(cfg)), "",
         "## Noise-scheduler ablation (tab:ablation)", "",
         table([SINGLEBD] + [VARIANTS[v].label for v in PARTS["schedulers"]], "block-level noise-scheduler"), "",
         "## Group-layout ablation (tab:ablation)", "",
         table([SINGLEBD] + [VARIANTS[v].label for v in PARTS["layouts"]], "noise-group layouts"), "",
-        "## Active blocks per forward (MBD, operating point)", "",
-        "```", json.dumps(stats, indent=2) if stats else "no traces", "```", "",
-        f"Accuracy standard errors: ±{se_pp(80.0, cfg.eval.problems):.1f} pp at 80% over {cfg.eval.problems} "
-        "problems; differences smaller than that are noise.", "",
         "Wall time per step (s, the longest run of each when resumed): "
         + ", ".join(f"{k} {v:.0f}" for k, v in wall_s.items()), "",
         f"Full sweep report (every curve point, TPS table, plots): `{sweep_report}`", "",
@@ -245,10 +185,10 @@ def run_reproduce(cfg: QuickstartConfig, run: Path, parts: Sequence[str], progre
     methods = methods_for(cfg, variants)
     sweep = sweep_config(cfg, run / "eval", models, methods)
     if not report_only:
-        with ray_session(cfg.num_cpus):
+        with ray_session(cfg.num_cpus, run):
             import ray
 
-            ray.data.DataContext.get_current().enable_progress_bars = progress
+            ray.data.DataContext.get_current().enable_progress_bars = False  # expand prints its summary
             with stages.run("corpus", f"{cfg.corpus.problems} tinymath train-split problems"):
                 write_corpus(run / "corpus" / "train.jsonl", cfg.corpus.problems, cfg.seed)
             for v in variants:
@@ -258,7 +198,7 @@ def run_reproduce(cfg: QuickstartConfig, run: Path, parts: Sequence[str], progre
                     train_variant(cfg, run, base, v, rows_dir, progress)
             from pipelines.eval_sweep import run_sweep
 
-            with stages.run("eval", f"{len(methods)} methods x {len(cfg.eval.curve)} points x {cfg.eval.problems} "
+            with stages.run("eval", f"{len(methods)} methods x their curve points x {cfg.eval.problems} "
                                     f"held-out problems (stored problems are skipped)"):
                 summary = run_sweep(sweep, progress=progress)
     else:
@@ -266,19 +206,17 @@ def run_reproduce(cfg: QuickstartConfig, run: Path, parts: Sequence[str], progre
         from mbd.eval.sweep import load_problems
 
         summary = write_sweep_report(sweep, load_problems(sweep))
-    stored = {(c.model, c.config) for c in summary.cells}
-    complete = [m for m in methods if all((m[3], point_name(m[1], o)) in stored for o in cfg.eval.curve)]
+    stored = {(c.model, c.config) for c in summary.cells if c.n == cfg.eval.problems}
+    complete = [m for m in methods if all((m[3], point_name(m[1], o)) in stored for o in cfg.eval.overrides(m[2]))]
     rows = {r.method: r for r in rows_of(cfg, summary.cells, complete)}
-    traces = ResultStore(run / "eval").load_traces("mbd-chain", point_name("mbd-chain", cfg.eval.curve[0]), BENCHMARK)
-    stats = active_block_stats(list(traces.values())) if traces else None
-    claims = judge(rows, stats)
+    claims = judge_all(cfg, run, methods, stored)
     # a resumed run skips stored steps in ~0 s: keep each step's longest measured wall time across runs
     saved = run / "wall_s.json"
     wall = json.loads(saved.read_text()) if saved.is_file() else {}
     wall |= {k: max(v, wall.get(k, 0.0)) for k, v in stages.wall_s.items()}
     saved.write_text(json.dumps(wall, indent=2))
     report = run / "reproduce.md"
-    write_report(report, cfg, rows, claims, stats, wall, summary.report_path)
+    write_report(report, cfg, rows, claims, wall, summary.report_path)
     return claims, report
 
 
@@ -309,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print()
     for c in claims:
-        print(f"({c.id}) {c.verdict:<15} {c.text}\n    {c.evidence}")
+        print(f"({c.id}) {c.verdict:<15} {c.text}\n    test: {c.test}\n    {c.evidence}")
     print(f"\nreport: {report} ({time.perf_counter() - t0:.0f} s)")
     return 0
 

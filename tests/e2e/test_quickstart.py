@@ -13,12 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from mbd.config import ConfigError, read_json
-from mbd.eval.report import CellMetrics
 from mbd.eval.sweep import resolve_path
 from mbd.multitf.layouts import num_layouts
-from pipelines.quickstart import (DEFAULT_CONFIG, MBD, MULTIBD_TF, SINGLEBD, MethodRow, QuickstartSummary, load_config,
-                                  main, method_rows)
-from pipelines.reproduce import PARTS, VARIANTS, judge
+from pipelines.quickstart import (DEFAULT_CONFIG, MBD, MBD_AS_SINGLEBD, MULTIBD_TF, SINGLEBD, QuickstartSummary,
+                                  load_config, main)
 
 STEPS, PROBLEMS, CORPUS = 2, 6, 24
 EXTRA_ARGS: list[str] = []  # e.g. ["--base-model", DIR] to try the test against another checkpoint
@@ -33,18 +31,21 @@ def run(tmp_path_factory):
     return run_dir, QuickstartSummary.model_validate_json((run_dir / "quickstart.json").read_text())
 
 
-def test_table_has_the_three_methods_with_finite_numbers(run):
+def test_table_has_the_four_methods_with_finite_numbers(run):
     _, s = run
-    assert [r.method for r in s.rows] == [SINGLEBD, MULTIBD_TF, MBD]
-    curve_points = len(load_config(DEFAULT_CONFIG).eval.curve)
-    for r in s.rows:
+    assert [r.method for r in s.rows] == [SINGLEBD, MULTIBD_TF, MBD, MBD_AS_SINGLEBD]
+    ev = load_config(DEFAULT_CONFIG).eval
+    single, multi = len(ev.curve), len(ev.curve) + len(ev.multibd_curve)
+    for r, curve_points in zip(s.rows, (single, multi, multi, single)):
         assert r.n == PROBLEMS
         assert 0.0 <= r.accuracy <= 100.0
         assert math.isfinite(r.tpf) and r.tpf > 0 and math.isfinite(r.tps) and r.tps > 0
         assert len(r.curve) == curve_points and r.aup is not None and math.isfinite(r.aup)
         assert f"| {r.method} |" in s.table_markdown
-    # SingleBD and training-free MultiBD decode the shipped base, MBD the post-trained export
-    assert [r.model for r in s.rows] == ["base", "base", "mbd-tiny"]
+    # SingleBD and training-free MultiBD decode the shipped base, MBD (and its SingleBD diagnostic) the export
+    assert [r.model for r in s.rows] == ["base", "base", "mbd-tiny", "mbd-tiny"]
+    assert [c.split(" vs ")[0] for c in s.comparisons] == [MBD, MBD_AS_SINGLEBD]
+    assert all(f"vs {SINGLEBD}: accuracy" in c and "95% CI" in c and f"n={PROBLEMS}" in c for c in s.comparisons)
 
 
 def test_expansion_writes_lambda_rows_per_sequence(run):
@@ -87,7 +88,7 @@ def test_artefacts_and_stage_timings(run):
 # ---------------------------------------------------------------- fast checks (no Ray)
 
 def test_bad_config_values_name_the_field():
-    with pytest.raises(ConfigError, match=r"eval.curve\[1\]"):
+    with pytest.raises(ConfigError, match=r"eval curve point 1"):
         load_config(DEFAULT_CONFIG, {"eval.curve": [{}, {"tau_m2t": 1.5}]})
     with pytest.raises(ConfigError, match="stepz"):
         load_config(DEFAULT_CONFIG, {"train.stepz": 3})
@@ -95,31 +96,30 @@ def test_bad_config_values_name_the_field():
         load_config(DEFAULT_CONFIG, {"corpus.problems": 10**9})
 
 
-def _cell(model: str, config: str, acc: float, tpf: float) -> CellMetrics:
-    return CellMetrics(model=model, config=config, benchmark="tinymath", n=100, accuracy=acc, tpf=tpf, tps=50.0,
-                       step_latency_ms=1.0)
+def test_reproduce_judges_from_stored_records_and_marks_missing_parts_not_run(tmp_path):
+    from mbd.eval.benchmarks import get_benchmark
+    from mbd.eval.sweep import ItemRecord, ResultStore
+    from pipelines.reproduce import judge_all, methods_for
 
-
-def test_method_rows_take_the_operating_point_and_the_trapezoid_aup():
-    cells = [_cell("m", "p0", 80.0, 3.0), _cell("m", "p1", 70.0, 4.0), _cell("m", "p2", 90.0, 2.0)]
-    (row,) = method_rows(cells, [("M", "m", ["p0", "p1", "p2"])])
-    assert (row.accuracy, row.tpf, row.config) == (80.0, 3.0, "p0")
-    assert row.aup == pytest.approx((90 + 80) / 2 * 1.0 + (80 + 70) / 2 * 1.0)
-
-
-def _row(method: str, acc: float, tpf: float, aup: float = 10.0) -> MethodRow:
-    return MethodRow(method=method, model="x", config="c", n=200, accuracy=acc, tpf=tpf, tps=1.0, aup=aup,
-                     curve=[(tpf, acc)])
-
-
-def test_claim_verdicts_follow_the_stated_thresholds():
-    chain = VARIANTS["chain"].label
-    rows = {SINGLEBD: _row(SINGLEBD, 80.0, 3.0), MULTIBD_TF: _row(MULTIBD_TF, 70.0, 4.0),
-            chain: _row(chain, 79.5, 4.5, aup=20.0)}
-    stats = {"requests": 2, "forwards": 10, "mean": 2.1, "share": {1: 0.3, 2: 0.4, 3: 0.3}, "share_3plus": 0.3}
-    verdicts = {c.id: c.reproduced for c in judge(rows, stats)}
-    assert verdicts == {"a": True, "b": True, "c": True, "d": None, "e": None, "f": True}
-    rows[chain] = _row(chain, 78.5, 4.5)  # 1.5 pp below SingleBD: (a) fails, (c) still wins back 85%
-    rows.update({VARIANTS[v].label: _row(VARIANTS[v].label, 70.0, 4.0, aup=20.0) for v in PARTS["layouts"][1:]})
-    verdicts = {c.id: c.reproduced for c in judge(rows, {**stats, "share_3plus": 0.0})}
-    assert verdicts == {"a": False, "b": True, "c": True, "d": None, "e": False, "f": False}  # (e): a tie is no win
+    cfg = load_config(DEFAULT_CONFIG, {"eval.problems": 4})
+    methods = methods_for(cfg, ["chain"])
+    store = ResultStore(tmp_path / "eval")
+    ids = [p.problem_id for p in get_benchmark("tinymath").load(limit=4)]
+    stored = set()
+    for label, key, path, model in methods:
+        for o in cfg.eval.overrides(path):
+            config = f"{key}" + "".join(f".{k}={v}" for k, v in o.items())
+            stored.add((model, config))
+            for i, pid in enumerate(ids):
+                store.append(ItemRecord(model=model, config=config, benchmark="tinymath", problem_id=pid,
+                                        completion="", correct=i < 3, nfe=4, num_generated=8, tpf=2.0,
+                                        wall_time_s=0.1, step_latency_ms=1.0, finish_reason="eos"))
+    claims = judge_all(cfg, tmp_path, methods, stored)
+    assert [c.id for c in claims] == list("abcdef")
+    verdicts = {c.id: c.verdict for c in claims}
+    assert verdicts["a"] == "NOT REPRODUCED"  # every method has the same TPF: a 1.00x gain
+    assert verdicts["b"] == "NOT REPRODUCED" and verdicts["c"] == "NOT REPRODUCED"  # no TPF gain, nothing lost
+    assert (verdicts["d"], verdicts["e"], verdicts["f"]) == ("NOT RUN", "NOT RUN", "NOT RUN")
+    assert "1.00x" in claims[0].evidence
+    missing = stored - {("mbd-chain", "mbd-chain")}  # the MBD operating point
+    assert {c.id: c.verdict for c in judge_all(cfg, tmp_path, methods, missing)}["a"] == "NOT RUN"
