@@ -32,16 +32,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-import yaml
 from pydantic import BaseModel, Field, model_validator
 
-from mbd.config import ConfigError, DecodeConfig, StrictModel, load_yaml, validate
+from mbd.config import REPO_ROOT, ConfigError, DecodeConfig, StrictModel, load_yaml, resolve_path, validate
 from mbd.eval.report import CellMetrics, Curve, Method, MethodRow, comparison_line, load_curve, method_rows, \
     method_table
-from mbd.eval.sweep import ResultStore, resolve_path
+from mbd.eval.sweep import ResultStore
 from mbd.multitf.schedulers import SchedulerConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
 APP_NAME = "mbd-quickstart"
 MARKER = ".mbd-quickstart"  # a run directory holding it was made by this command and may be rebuilt
@@ -137,21 +135,9 @@ class QuickstartConfig(StrictModel):
         return self
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> QuickstartConfig:
-    """The YAML with dotted-key overrides applied (e.g. {'train.steps': 20})."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--config: file not found: {p}")
-    data = yaml.safe_load(p.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping of QuickstartConfig fields")
-    for key, value in (overrides or {}).items():
-        *parents, leaf = key.split(".")
-        node = data
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = value
-    return validate(QuickstartConfig, data, str(p))
+def load_config(path: str | Path, sets: Sequence[str] = ()) -> QuickstartConfig:
+    """The YAML with `--set key.sub=value` items applied (the CLI's shorthand flags are sets too)."""
+    return load_yaml(path, QuickstartConfig, sets=sets)
 
 
 # ---------------------------------------------------------------- results
@@ -489,6 +475,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--problems", type=int, help="override eval.problems (held-out problems per method)")
     ap.add_argument("--corpus", type=int, help="override corpus.problems (train-split problems expanded)")
     ap.add_argument("--base-model", help="override base_model (an HF-format BD-LM directory)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a field, e.g. --set train.lr=3e-4 --set eval.batch_size=32")
     ap.add_argument("--no-serve", action="store_true", help="skip stage 4 (Ray Serve)")
     ap.add_argument("--keep-serving", action="store_true", help="keep the HTTP server up after the request")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars (log-friendly)")
@@ -497,13 +485,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    overrides = {k: v for k, v in {"run_dir": args.run_dir, "train.steps": args.steps, "eval.problems": args.problems,
-                                   "corpus.problems": args.corpus, "base_model": args.base_model}.items()
-                 if v is not None}
-    if args.no_serve:
-        overrides["serve.enabled"] = False
+    sets = [f"{k}={v}" for k, v in {"run_dir": args.run_dir, "train.steps": args.steps, "eval.problems": args.problems,
+                                    "corpus.problems": args.corpus, "base_model": args.base_model}.items()
+            if v is not None] + (["serve.enabled=false"] if args.no_serve else []) + args.sets
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, sets)
         if args.keep_serving and not cfg.serve.enabled:
             raise ConfigError("--keep-serving needs the serve stage (drop --no-serve / set serve.enabled: true)")
         summary = run_quickstart(cfg, keep_serving=args.keep_serving, progress=not args.no_progress)

@@ -39,9 +39,9 @@ from typing import NamedTuple, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from mbd.config import ConfigError
+from mbd.config import ConfigError, resolve_path
 from mbd.eval.report import Claim, Curve, MethodRow, claims_table, judge_active, judge_aup, judge_main, method_table
-from mbd.eval.sweep import ResultStore, resolve_path
+from mbd.eval.sweep import ResultStore
 from mbd.multitf.layouts import num_layouts
 from pipelines.quickstart import (BENCHMARK, DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, QuickstartConfig, Stages,
                                   curves_of, expand_stage, load_config, point_name, ray_session, rows_of,
@@ -229,17 +229,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, help="override train.steps of every variant")
     ap.add_argument("--problems", type=int, help="override eval.problems")
     ap.add_argument("--corpus", type=int, help="override corpus.problems")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a QuickstartConfig field, e.g. --set train.lr=3e-4")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from stored results; no Ray")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    overrides = {k: v for k, v in {"train.steps": args.steps, "eval.problems": args.problems,
-                                   "corpus.problems": args.corpus}.items() if v is not None}
+    sets = [f"{k}={v}" for k, v in {"train.steps": args.steps, "eval.problems": args.problems,
+                                    "corpus.problems": args.corpus}.items() if v is not None] + args.sets
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     try:
         unknown = sorted(set(parts) - set(PARTS))
         if unknown or not parts:
             raise ConfigError(f"--parts: unknown {unknown or parts}; choose from {','.join(PARTS)}")
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, sets)
         t0 = time.perf_counter()
         claims, report = run_reproduce(cfg, Path(args.run_dir), parts, not args.no_progress, args.report_only)
     except ConfigError as e:

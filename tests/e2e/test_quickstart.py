@@ -12,8 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from mbd.config import ConfigError, read_json
-from mbd.eval.sweep import resolve_path
+from mbd.config import ConfigError, read_json, resolve_path
 from mbd.multitf.layouts import num_layouts
 from pipelines.quickstart import (DEFAULT_CONFIG, MBD, MBD_AS_SINGLEBD, MULTIBD_TF, SINGLEBD, QuickstartSummary,
                                   load_config, main)
@@ -89,11 +88,11 @@ def test_artefacts_and_stage_timings(run):
 
 def test_bad_config_values_name_the_field():
     with pytest.raises(ConfigError, match=r"eval curve point 1"):
-        load_config(DEFAULT_CONFIG, {"eval.curve": [{}, {"tau_m2t": 1.5}]})
+        load_config(DEFAULT_CONFIG, ["eval.curve=[{}, {tau_m2t: 1.5}]"])
     with pytest.raises(ConfigError, match="stepz"):
-        load_config(DEFAULT_CONFIG, {"train.stepz": 3})
+        load_config(DEFAULT_CONFIG, ["train.stepz=3"])
     with pytest.raises(ConfigError, match="corpus.problems"):
-        load_config(DEFAULT_CONFIG, {"corpus.problems": 10**9})
+        load_config(DEFAULT_CONFIG, ["corpus.problems=1000000000"])
 
 
 def test_reproduce_judges_from_stored_records_and_marks_missing_parts_not_run(tmp_path):
@@ -101,7 +100,7 @@ def test_reproduce_judges_from_stored_records_and_marks_missing_parts_not_run(tm
     from mbd.eval.sweep import ItemRecord, ResultStore
     from pipelines.reproduce import judge_all, methods_for
 
-    cfg = load_config(DEFAULT_CONFIG, {"eval.problems": 4})
+    cfg = load_config(DEFAULT_CONFIG, ["eval.problems=4"])
     methods = methods_for(cfg, ["chain"])
     store = ResultStore(tmp_path / "eval")
     ids = [p.problem_id for p in get_benchmark("tinymath").load(limit=4)]
