@@ -78,7 +78,7 @@ class EngineHost:
         self.num_aborted = 0
         self.model_cfg = ModelConfig.from_hf(read_json(spec.resolved_path() / "config.json"))
         world = spec.tensor_parallel_size
-        addr, port = (ray.util.get_node_ip_address(), free_port()) if world > 1 else ("", 0)
+        addr, port = (ray.util.get_node_ip_address(), free_port("")) if world > 1 else ("", 0)
         self._workers = [self._start_worker(r, addr, port) for r in range(1, world)]
         self._thread = threading.Thread(target=self._main, args=(addr, port), name="mbd-engine", daemon=True)
         self._thread.start()

@@ -48,9 +48,10 @@ class ModelSpec(EngineSpec):
         return "nccl" if self.device == "cuda" else "gloo"
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now ("" = every interface, for a rendezvous other nodes reach)."""
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.serve_load import free_port, run_http_stream
+from actors.tp_worker import free_port
+from benchmarks.serve_load import run_http_stream
 from mbd.tiny.task import generate as tiny_problems
 from serve_app.config import load_serve_config
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from actors.tp_worker import free_port
 from mbd.decoding import Engine
 from mbd.model import load_checkpoint
 from mbd.tiny.task import generate as tiny_problems
@@ -113,12 +113,6 @@ async def run_http_stream(url: str, model: str, messages: list[list[dict]], conc
         await asyncio.gather(*(client(http) for _ in range(conc)))
         out = summary(lat, tokens, time.perf_counter() - t0)
     return out | {"ttft_p50_ms": 1e3 * statistics.median(ttft), "itl_p50_ms": 1e3 * statistics.median(itl)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:

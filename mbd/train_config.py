@@ -18,10 +18,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from mbd.config import StrictModel, load_yaml
-from mbd.multitf.schedulers import SchedulerConfig
-
-ObjectiveName = Literal["multitf_ce", "sdar_weighted_ce", "dmax_oput"]
-
+from mbd.multitf.batching import LayoutSection
+from mbd.multitf.objectives import ObjectiveSection
 
 class RunSection(StrictModel):
     """Where Ray Train keeps checkpoints; re-running with the same name and storage_path resumes."""
@@ -49,33 +47,6 @@ class DataSection(StrictModel):
         if (self.parquet is None) == (self.jsonl is None):
             raise ValueError("set exactly one of data.parquet (rows of `mbd expand`) or data.jsonl (a corpus)")
         return self
-
-
-class LayoutSection(StrictModel):
-    """How on-the-fly rows are built (Parquet rows were built by `mbd expand` with its own settings).
-
-    mode `multitf`: |Lambda| = (Gmax+2)(Gmax-1)/2 + N_rand group-layouts per sequence. mode `tf`:
-    block-diffusion teacher forcing, one layout where every response block is its own noise-group
-    (use scheduler `random_iid` with gamma_rand 1 for the usual independent t ~ U(t_low, t_high) per block).
-    """
-
-    mode: Literal["multitf", "tf"] = "multitf"
-    gmax: int = Field(default=4, ge=2, description="G_max (also sizes the per-slot loss metrics)")
-    n_rand: int = Field(default=0, ge=0)
-    scheduler: SchedulerConfig = SchedulerConfig()
-
-    @property
-    def max_slots(self) -> int:
-        return 1 if self.mode == "tf" else self.gmax
-
-
-class ObjectiveSection(StrictModel):
-    name: ObjectiveName = "multitf_ce"
-    sdar_eps: float = Field(default=1e-3, gt=0, description="epsilon of eq:appendix_sdar_multitf_loss")
-    sdar_normalisation: Literal["paper", "self_normalized"] = Field(
-        default="paper", description="paper: eq:appendix_sdar_multitf_loss (1/K per row); self_normalized: the "
-        "authors' code, sum_M CE/t / sum_M 1/t over the micro-batch of all workers")
-    oput_weight: float = Field(default=1.0, ge=0, description="weight of the DMax OPUT self-denoising branch")
 
 
 class DeepSpeedSection(StrictModel):

@@ -24,7 +24,6 @@ import argparse
 import json
 import logging
 import shutil
-import socket
 import sys
 import time
 import urllib.request
@@ -357,12 +356,6 @@ def eval_stage(cfg: QuickstartConfig, run: Path, base: Path, mbd_dir: Path, prog
     return summary, rows_of(cfg, summary.cells, methods)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_stage(cfg: QuickstartConfig, model_dir: Path, keep_serving: bool, own_cluster: bool) -> ServeReply:
     """Deploy the OpenAI-compatible app on loopback, send one chat request, print it, take the app down.
 
@@ -372,6 +365,7 @@ def serve_stage(cfg: QuickstartConfig, model_dir: Path, keep_serving: bool, own_
     from ray import serve
 
     from mbd.tiny.task import generate
+    from actors.tp_worker import free_port
     from serve_app.app import build_app
     from serve_app.config import load_serve_config
 

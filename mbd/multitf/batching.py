@@ -19,19 +19,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
+from pydantic import Field
 
+from mbd.config import StrictModel
 from mbd.multitf.corrupt import corrupt, expand_sequence
 from mbd.multitf.layouts import first_response_block, num_layouts
 from mbd.multitf.masks import DualStreamIndex, dual_stream_position_ids
 from mbd.multitf.rng import Purpose, generator
-from mbd.multitf.schedulers import NoiseScheduler, build_scheduler
-from mbd.train_config import LayoutSection
+from mbd.multitf.schedulers import NoiseScheduler, SchedulerConfig, build_scheduler
 
 KINDS: tuple[str, ...] = ("systematic", "random", "tf")
+
+
+class LayoutSection(StrictModel):
+    """How on-the-fly rows are built (Parquet rows were built by `mbd expand` with its own settings).
+
+    mode `multitf`: |Lambda| = (Gmax+2)(Gmax-1)/2 + N_rand group-layouts per sequence. mode `tf`:
+    block-diffusion teacher forcing, one layout where every response block is its own noise-group
+    (use scheduler `random_iid` with gamma_rand 1 for the usual independent t ~ U(t_low, t_high) per block).
+    """
+
+    mode: Literal["multitf", "tf"] = "multitf"
+    gmax: int = Field(default=4, ge=2, description="G_max (also sizes the per-slot loss metrics)")
+    n_rand: int = Field(default=0, ge=0)
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    @property
+    def max_slots(self) -> int:
+        return 1 if self.mode == "tf" else self.gmax
 
 
 @dataclass(frozen=True)

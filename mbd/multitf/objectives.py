@@ -27,16 +27,29 @@ normalised per optimiser micro-step instead, as the authors').
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
+from mbd.config import StrictModel
 from mbd.multitf.batching import KINDS, Batch
-from mbd.train_config import ObjectiveSection
 
 Forward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
 GlobalSum = Callable[[torch.Tensor], torch.Tensor]  # sum of a detached scalar over data-parallel workers
+
+
+ObjectiveName = Literal["multitf_ce", "sdar_weighted_ce", "dmax_oput"]
+
+
+class ObjectiveSection(StrictModel):
+    name: ObjectiveName = "multitf_ce"
+    sdar_eps: float = Field(default=1e-3, gt=0, description="epsilon of eq:appendix_sdar_multitf_loss")
+    sdar_normalisation: Literal["paper", "self_normalized"] = Field(
+        default="paper", description="paper: eq:appendix_sdar_multitf_loss (1/K per row); self_normalized: the "
+        "authors' code, sum_M CE/t / sum_M 1/t over the micro-batch of all workers")
+    oput_weight: float = Field(default=1.0, ge=0, description="weight of the DMax OPUT self-denoising branch")
 
 
 def masked_positions(noisy_ids: torch.Tensor, mask_token_id: int) -> torch.Tensor:

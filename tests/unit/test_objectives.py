@@ -16,7 +16,9 @@ from mbd.multitf.masks import dense_reference
 from mbd.multitf.objectives import (compute_objective, loss_stats, multitf_ce, oput_self_denoise_ids,
                                     sdar_weighted_ce, stats_metrics, stats_size)
 from mbd.multitf.schedulers import SchedulerConfig, build_scheduler
-from mbd.train_config import DeepSpeedSection, LayoutSection, ObjectiveSection, load_train_config
+from mbd.multitf.batching import LayoutSection
+from mbd.multitf.objectives import ObjectiveSection
+from mbd.train_config import DeepSpeedSection, load_train_config
 from tests.conftest import tiny_cfg
 
 M = 9  # mask id of the hand-built examples (vocab 10)
