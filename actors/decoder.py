@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.tp_worker import Lockstep, ModelSpec, Op, TPWorker, free_port, init_tp
 from mbd.decoding.spec import build_engine
-from mbd.config import DecodeConfig, ModelConfig, read_json
+from mbd.config import DecodeConfig
 from mbd.decoding.engine import StepOutput
 
 IDLE_TICK_S = 1.0  # an idle rank 0 still broadcasts this often, so follower ranks never hit a collective timeout
@@ -76,7 +76,6 @@ class EngineHost:
         self._ready = threading.Event()
         self._lockstep: Lockstep | None = None
         self.num_aborted = 0
-        self.model_cfg = ModelConfig.from_hf(read_json(spec.resolved_path() / "config.json"))
         world = spec.tensor_parallel_size
         addr, port = (ray.util.get_node_ip_address(), free_port("")) if world > 1 else ("", 0)
         self._workers = [self._start_worker(r, addr, port) for r in range(1, world)]
@@ -166,19 +165,15 @@ class EngineHost:
                 raise EngineDead(f"tensor-parallel rank exited: {ray.get(done[0])!r}")
 
     def validate(self, prompt_ids: list[int], params: DecodeConfig) -> None:
-        """Last line of defence (the ingress checks first): nothing that could crash the engine gets in."""
-        cfg, d = self.model_cfg, self.decode
+        """Last line of defence (the ingress checks first): the engine's one request check, plus this
+        deployment's bounds on max_length and max_nfe, so nothing that could crash the engine gets in."""
         if not isinstance(params, DecodeConfig):
             raise ValueError(f"params must be a DecodeConfig, got {type(params).__name__}")
-        if params.buffer_size > d.buffer_size or params.block_size != d.block_size:
-            raise ValueError(f"buffer_size {params.buffer_size} / block_size {params.block_size} do not fit this "
-                             f"replica's compiled {d.buffer_size} / {d.block_size}")
-        if params.max_length > d.max_length or params.max_nfe > d.max_nfe:
+        if params.max_length > self.decode.max_length or params.max_nfe > self.decode.max_nfe:
             raise ValueError("max_length and max_nfe cannot exceed the replica's configuration")
-        if not prompt_ids or len(prompt_ids) >= min(d.max_length, cfg.max_position_embeddings):
-            raise ValueError(f"prompt length {len(prompt_ids)} is empty or leaves no room to generate")
-        if any(not isinstance(t, int) or not 0 <= t < cfg.vocab_size or t == cfg.mask_token_id for t in prompt_ids):
-            raise ValueError("prompt ids must be ints in [0, vocab_size) other than the mask token")
+        if self._lockstep is None:
+            raise EngineDead("engine loop has not started")
+        self._lockstep.engine.check_request(prompt_ids, params)
 
     def stats(self) -> dict[str, float]:
         """A snapshot for operators and tests: open streams, aborted requests, requests in the engine, free slots,

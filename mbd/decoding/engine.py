@@ -150,14 +150,22 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: Params = None, request_id: str | None = None) -> str:
         return self._add(prompt_ids, params, request_id).id
 
-    def _add(self, prompt_ids: Sequence[int], params: Params, request_id: str | None) -> Request:
-        ids = [int(t) for t in prompt_ids]
+    def check_request(self, prompt_ids: Sequence[int], params: Params = None) -> tuple[list[int], RequestParams]:
+        """The one request check (the CLI, the eval sweeps and every served replica go through it): prompt ids
+        are ints in [0, vocab_size) other than the mask token, the prompt leaves room to generate, and the
+        parameters fit this engine. Raises ValueError naming what is wrong."""
+        ids = list(prompt_ids)
         if not ids:
             raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+        vocab = self.model.cfg.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_ids must be ints in [0, {vocab})")
         if self.mask_id in ids:
             raise ValueError(f"prompt_ids contain the mask token id {self.mask_id}, which the decoder reserves")
-        cfg = self.resolve_params(params)
-        p = RequestParams.resolve(cfg, len(ids), self.max_length)
+        return ids, RequestParams.resolve(self.resolve_params(params), len(ids), self.max_length)
+
+    def _add(self, prompt_ids: Sequence[int], params: Params, request_id: str | None) -> Request:
+        ids, p = self.check_request([int(t) for t in prompt_ids], params)
         req = Request(request_id or uuid.uuid4().hex, ids, p, self.block)
         if self.trace:
             req.trace = []
