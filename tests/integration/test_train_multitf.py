@@ -76,5 +76,6 @@ def test_parquet_rows_stream_through_ray_data(ray_cluster, tiny):
     steps = [m for m in summary.history if "loss" in m]
     assert [int(m["step"]) for m in steps] == [1, 2, 3]
     assert all(np.isfinite(m["loss"]) and m["masked_tokens"] > 0 for m in steps)
-    assert {"ce/systematic", "ce/random", "ce/slot0", "ce/slot1"} <= set(steps[-1])
+    # rows reach the workers through a seeded shuffle buffer, so a kind of layout shows up in some steps' metrics
+    assert {"ce/systematic", "ce/random", "ce/slot0", "ce/slot1"} <= set().union(*steps)
     assert summary.export_dir is not None
