@@ -5,30 +5,21 @@ lengths are exact). Two apps share one Serve instance: `tp1` and `tp2` (two gloo
 import json
 import os
 import signal
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from mbd.decoding import Engine
-from mbd.model import load_checkpoint
+from actors.tp_worker import free_port
 from mbd.tiny.vocab import special_token_ids
-from mbd.tokenizer import Tokenizer
 from serve_app.config import ServeConfig
-from tests.integration.test_serve_units import DECODE, make_checkpoint
+from tests.integration.conftest import SERVE_SLOTS as SLOTS
+from tests.integration.test_serve_units import DECODE
 
 MODEL = "mbd-test"
 KEY = "sk-test-key"
-SLOTS = 8
 TIMEOUT = httpx.Timeout(120.0)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(ckpt, tp: int, slots: int, decoder: dict, http: dict | None = None) -> ServeConfig:
@@ -43,25 +34,12 @@ def _config(ckpt, tp: int, slots: int, decoder: dict, http: dict | None = None) 
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("serve_app") / "ck")
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt):
-    """The engine called directly, with the deployment's decode config and slots."""
-    model, cfg = load_checkpoint(ckpt)
-    tok = Tokenizer.from_dir(ckpt, cfg)
-    return Engine(model, tok, DECODE, max_batch_slots=SLOTS), tok
-
-
-@pytest.fixture(scope="module")
 def base(ray_cluster, ckpt):
     from ray import serve
 
     from serve_app.app import build_app
 
-    port = _port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     tp1 = _config(ckpt, 1, SLOTS, {"max_ongoing_requests": 16, "max_queued_requests": 256})
     tp2 = _config(ckpt, 2, 2, {"max_ongoing_requests": 2, "max_queued_requests": 1}, {"api_key": KEY})
@@ -218,12 +196,13 @@ def test_api_key(base):
 
 
 def test_full_queue_answers_503_with_retry_after(base):
-    """tp2 takes 2 ongoing + 1 queued request; the rest of a burst of 8 long requests is turned away."""
+    """tp2 takes 2 ongoing + 1 queued request; the rest of a burst of 8 long requests is turned away. Ray Serve's
+    queue bound is approximate (its router may refuse the queued one too), so at least the 2 ongoing succeed."""
     body = {"model": MODEL, "prompt": "1+1=", "max_tokens": 100, "tau_m2t": 1.0}
     with ThreadPoolExecutor(8) as pool:
         rs = list(pool.map(lambda _: _post(base, "tp2", "completions", body), range(8)))
     codes = sorted(r.status_code for r in rs)
-    assert set(codes) == {200, 503} and codes.count(200) >= 3, codes
+    assert set(codes) == {200, 503} and 2 <= codes.count(200) <= 3, codes
     for r in rs:
         if r.status_code == 503:
             assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"

@@ -6,7 +6,6 @@ strings, a replica dying mid-stream, the OpenAPI document). Same tiny random mod
 import json
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -14,30 +13,17 @@ import httpx
 import openai
 import pytest
 
-from mbd.decoding import Engine
-from mbd.model import load_checkpoint
+from actors.tp_worker import free_port
 from mbd.tiny.vocab import special_token_ids
 from mbd.tokenizer import Tokenizer
 from mbd.eval.math_scoring import score_gsm8k
 from mbd.tiny.task import generate as tiny_problems
 from serve_app.config import ServeConfig, load_serve_config
-from tests.integration.test_serve_units import DECODE, REPO, make_checkpoint
+from tests.integration.conftest import SERVE_SLOTS as SLOTS
+from tests.integration.test_serve_units import DECODE, REPO
 
 MODEL = "mbd-oai"
-SLOTS = 8
 TIMEOUT = httpx.Timeout(120.0)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("serve_openai") / "ck")
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt):
-    model, cfg = load_checkpoint(ckpt)
-    tok = Tokenizer.from_dir(ckpt, cfg)
-    return Engine(model, tok, DECODE, max_batch_slots=SLOTS), tok
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +32,7 @@ def base(ray_cluster, ckpt):
 
     from serve_app.app import build_app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = ServeConfig.model_validate({
         "model": {"path": str(ckpt), "name": MODEL, "max_batch_slots": SLOTS, "num_cpus_per_rank": 0.1,
                   "torch_threads": 1},
