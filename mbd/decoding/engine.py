@@ -81,6 +81,13 @@ class EngineStats:
     positions_run: int = 0  # query positions of decode forwards (batch bucket x slots run x B)
     resident_positions: int = 0  # of those, positions of resident (ACTIVE / TO_CACHE) slots of decoding rows
     logit_rows: int = 0  # positions whose logits the head computed (ACTIVE windows, padding included)
+    prefix_query_tokens: int = 0  # block-aligned prompt tokens looked up in the prefix cache at admission
+    prefix_hit_tokens: int = 0  # of those, tokens whose K/V came from cached pages (their prefill was skipped)
+    preemptions: int = 0  # requests sent back to the queue because the KV page pool ran out
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
 def power_of_two_buckets(rows: int) -> tuple[int, ...]:
