@@ -32,6 +32,7 @@ from pydantic import BaseModel
 from torch import nn
 
 from mbd.config import ConfigError, DecodeConfig, validate
+from mbd.decoding.cache_manager import CacheManager
 from mbd.decoding.policy import Sampler, policy_for
 from mbd.decoding.runner import ModelRunner, PrefillChunk
 from mbd.decoding.scheduler import Scheduler
@@ -102,11 +103,14 @@ class Engine:
     def __init__(self, model: nn.Module, tokenizer: Tokenizer | None, cfg: DecodeConfig, max_batch_slots: int = 8,
                  device: torch.device | str | None = None, trace: bool = False,
                  batch_buckets: Sequence[int] | None = None, use_cuda_graphs: bool | None = None,
-                 prefill_chunk: int = 512, attention: str = "sdpa", prefill_budget: int = 64):
+                 prefill_chunk: int = 512, attention: str = "sdpa", prefill_budget: int = 64,
+                 kv_cache_bytes: int | None = None, page_size: int | None = None, prefix_caching: bool = True):
         """attention: "sdpa" (dense bool masks over the key span) or "flex" (FlexAttention BlockMasks that skip
         key blocks past each row's visible region; compiled on GPU). prefill_budget: prompt tokens a decode
         step may carry (chunked prefill) while rows are decoding, rounded down to whole blocks (at least one);
-        with no row decoding a prompt is prefilled at once, `prefill_chunk` tokens per forward."""
+        with no row decoding a prompt is prefilled at once, `prefill_chunk` tokens per forward.
+        kv_cache_bytes: the KV page pool's budget (default: room for every row at max_length); page_size: tokens
+        per page, a multiple of the block size; prefix_caching: reuse committed prefix pages across requests."""
         mcfg = model.cfg
         self.block = mcfg.block_size
         if cfg.block_size not in (None, self.block):
@@ -129,7 +133,8 @@ class Engine:
         # the last block may straddle the generation limit, hence + block
         self.runner = ModelRunner(self.model, mcfg, self.buf, self.max_length + self.block,
                                   tuple(batch_buckets or power_of_two_buckets(max_batch_slots)), graphs, prefill_chunk,
-                                  attention)
+                                  attention, page_size, kv_cache_bytes)
+        self.kv = CacheManager(self.runner.cache, prefix_caching)
         self.sched = Scheduler(max_batch_slots)
         self.prefill_budget = max(self.block, prefill_budget // self.block * self.block)
         # per row: slot states + committed cache length, as last written to the device
@@ -169,7 +174,12 @@ class Engine:
             raise ValueError(f"prompt_ids must be ints in [0, {vocab})")
         if self.mask_id in ids:
             raise ValueError(f"prompt_ids contain the mask token id {self.mask_id}, which the decoder reserves")
-        return ids, RequestParams.resolve(self.resolve_params(params), len(ids), self.max_length)
+        p = RequestParams.resolve(self.resolve_params(params), len(ids), self.max_length)
+        need = self.kv.pages_for(-(-p.gen_end // self.block) * self.block + p.buffer_size * self.block)
+        if need > self.kv.capacity:
+            raise ValueError(f"the request needs up to {need} KV pages (prompt + max_new_tokens + its Block Buffer) "
+                             f"but the pool holds {self.kv.capacity}: lower max_new_tokens or raise kv_cache_bytes")
+        return ids, p
 
     def _add(self, prompt_ids: Sequence[int], params: Params, request_id: str | None) -> Request:
         ids, p = self.check_request([int(t) for t in prompt_ids], params)
@@ -204,9 +214,10 @@ class Engine:
                 if req.row >= 0:
                     self._release(req.row)
                 outs.append(self._finish(req, "abort", []))
-            for req in self.sched.admit():
-                if req.aligned_len == 0:  # nothing to prefill: the prompt is all in the first block
+            for req in self.sched.admit(self._map_pages):
+                if req.cache_len == req.aligned_len:  # nothing to prefill (all cached, or all in the first block)
                     self._activate(req)
+            self._ensure_pages()
             if not any(r.decoding for r in self.sched.running.values()):
                 for req in list(self.sched.running.values()):
                     self._prefill_rest(req)
@@ -214,20 +225,64 @@ class Engine:
                 outs += self._decode()
         return outs
 
+    def _map_pages(self, req: Request, row: int) -> bool:
+        """Admission: map pages for the request's given tokens and a full Block Buffer into `row`, reusing
+        cached prefix pages (their prefill is skipped), and keeping one page per decoding row in reserve so that
+        admitting does not force a preemption at once. False: it does not fit yet."""
+        need = req.aligned_len + req.params.buffer_size * self.block
+        reserve = sum(r.decoding for r in self.sched.running.values())
+        hit = self.kv.admit(row, req.known[: req.aligned_len], need, reserve)
+        if hit is None:
+            return False
+        req.cache_len = hit
+        self.runner.cache.lengths[row] = hit
+        self._host_rows[row][-1] = hit
+        self.stats.prefix_query_tokens += req.aligned_len
+        self.stats.prefix_hit_tokens += hit
+        return True
+
+    def _ensure_pages(self) -> None:
+        """Every decoding row needs pages up to its last resident slot. Oldest first; when the pool is short, the
+        youngest request is preempted (possibly the one asking), which always lets the oldest go on: a request
+        whose worst case exceeds the pool is refused by `check_request`."""
+        for req in list(self.sched.running.values()):
+            while req.row >= 0 and req.decoding and not self.kv.ensure(req.row, req.cache_len + req.n_res * self.block):
+                self._preempt(self.sched.youngest())
+
+    def _preempt(self, req: Request) -> None:
+        """Free the request's row and pages and queue it first, keeping its Block Buffer (resident tokens and
+        slot states) on the host. On readmission its committed tokens are prefilled again (or found in the
+        prefix cache) and the buffer is put back as it was, so the request decodes exactly as if never
+        preempted (a MultiBD buffer's later blocks depend on the earlier ones' partial state)."""
+        if req.decoding:
+            req.resume = (self.buf.tokens[req.row, : req.n_res * self.block].tolist(), req.n_res, req.n_tc)
+            req.aligned_len = req.cache_len
+        self._release(req.row)
+        self.sched.preempt(req)
+        req.decoding, req.cache_len, req.n_res, req.n_tc = False, 0, 0, 0
+        self.stats.preemptions += 1
+
     def _prefill_rest(self, req: Request) -> None:
         t = time.perf_counter()
-        self.runner.prefill(req.row, req.prompt_ids[req.cache_len: req.aligned_len], req.cache_len)
+        self.runner.prefill(req.row, req.known[req.cache_len: req.aligned_len], req.cache_len)
         self.stats.prefills += 1
         self.stats.prefill_tokens += req.aligned_len - req.cache_len
         self._activate(req)
         self.stats.prefill_s += time.perf_counter() - t
 
     def _activate(self, req: Request) -> None:
-        """The prompt's block-aligned part is committed: the row starts decoding its first block."""
+        """The block-aligned known tokens are committed (their full pages become reusable): the row starts
+        decoding its first block, which holds the prompt's tail (fixed) then masks, or, after a preemption, gets
+        its Block Buffer back."""
         self.buf.load_row(req.row, req.prompt_ids[req.aligned_len:], req.prompt_len, req.params,
                           self.policy.semi_max_masked(req.params.tau_semi))
         req.cache_len, req.n_res, req.n_tc, req.decoding = req.aligned_len, 1, 0, True
-        self._host_rows[req.row] = self.buf.slot_states(0, 1, self.n_buf) + [req.aligned_len]
+        if req.resume is not None:
+            tokens, req.n_res, req.n_tc = req.resume
+            self.buf.restore_row(req.row, tokens, self.buf.slot_states(req.n_tc, req.n_res, self.n_buf))
+            req.resume = None
+        self.kv.register(req.row, req.known, req.cache_len)
+        self._host_rows[req.row] = self.buf.slot_states(req.n_tc, req.n_res, self.n_buf) + [req.aligned_len]
         self.runner.invalidate()
 
     def _chunks(self) -> list[tuple[Request, PrefillChunk]]:
@@ -238,7 +293,7 @@ class Engine:
                 break
             if not req.decoding:
                 n = min(left, req.aligned_len - req.cache_len)
-                out.append((req, PrefillChunk(req.row, req.cache_len, req.prompt_ids[req.cache_len: req.cache_len + n])))
+                out.append((req, PrefillChunk(req.row, req.cache_len, req.known[req.cache_len: req.cache_len + n])))
                 left -= n
         return out
 
@@ -254,7 +309,8 @@ class Engine:
         self.runner.invalidate()  # a prefilling row inside the decode bucket moved
 
     def _release(self, row: int) -> None:
-        """Free a row; its committed length drops to 0 so that it no longer widens the key span."""
+        """Free a row and its pages; its committed length drops to 0 so that it no longer widens the key span."""
+        self.kv.release(row)
         self.buf.clear_row(row)
         self.runner.cache.reset(row)
         self.runner.invalidate()
@@ -327,9 +383,13 @@ class Engine:
                 req.logprobs.update((base + i, math.log(c)) for i, c in enumerate(conf[row][:n_res * B]) if c > 0)
             post_tc = self.policy.final_count(req.params, pre_tc, n_res, filled, unchanged)
             new = self._emit(req, toks, base, pre_tc, post_tc)
+            if base + post_tc * B > len(req.known):
+                req.known += toks[len(req.known) - base: post_tc * B]
             eos_seen = req.eos or (not req.params.ignore_eos
                                    and not self._stop_set.isdisjoint(toks[max(0, req.prompt_len - base): n_res * B]))
             req.cache_len = base + pre_tc * B
+            if pre_tc:
+                self.kv.register(row, req.known, req.cache_len)
             plan = self.policy.plan(req.params, n_res=n_res, pre_tc=pre_tc, post_tc=post_tc,
                                     filled_last=filled[n_res - 1], unchanged_last=unchanged[n_res - 1],
                                     eos_seen=eos_seen, nfe=req.nfe, cache_len=req.cache_len)
@@ -355,6 +415,7 @@ class Engine:
                 self.runner.invalidate()
         for req in done:
             buf.clear_row(req.row)
+            self.kv.release(req.row)
 
         dt = time.perf_counter() - t0
         for _, req in running:

@@ -43,6 +43,7 @@ from torch import nn
 from mbd.config import ModelConfig
 from mbd.decoding.state import BatchBuffers, SlotState
 from mbd.model import KVCache
+from mbd.model.cache import default_page_size
 from mbd.model.base import Segment, Segments
 from mbd.model.masks import decode_block_mask
 from mbd.model.tp import SINGLE
@@ -75,14 +76,27 @@ def graph_capturable(model: nn.Module) -> bool:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, cfg: ModelConfig, buf: BatchBuffers, max_len: int,
-                 buckets: tuple[int, ...], use_graphs: bool, prefill_chunk: int = 512, attention: str = "sdpa"):
+                 buckets: tuple[int, ...], use_graphs: bool, prefill_chunk: int = 512, attention: str = "sdpa",
+                 page_size: int | None = None, kv_cache_bytes: int | None = None):
+        """page_size: tokens per KV page (default: `default_page_size`); kv_cache_bytes: the page pool's budget
+        (default: every row can reach max_len, as a static per-row cache would)."""
         if attention not in ("sdpa", "flex"):
             raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
         self.model, self.buf, self.block, self.attention = model, buf, buf.block, attention
         rows, self.q = buf.tokens.shape
         dev = buf.tokens.device
         dtype = next(model.parameters()).dtype
-        self.cache = KVCache(cfg, rows, max_len, margin=self.q, dtype=dtype, device=dev, tp=getattr(model, "tp", SINGLE))
+        tp = getattr(model, "tp", SINGLE)
+        page = page_size or default_page_size(self.block)
+        if kv_cache_bytes is None:
+            pages = 1 + rows * -(-(max_len + self.q) // page)
+        else:
+            pages = kv_cache_bytes // KVCache.page_bytes(cfg, page, dtype, tp)
+            if pages < 2:
+                raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds {pages} pages of {page} tokens; the pool "
+                                 f"needs at least 2 ({2 * KVCache.page_bytes(cfg, page, dtype, tp)} bytes)")
+        self.cache = KVCache(cfg, rows, max_len, margin=self.q, dtype=dtype, device=dev, tp=tp, page_size=page,
+                             num_pages=pages)
         self.buckets = tuple(sorted(set(buckets)))
         if self.buckets[-1] != rows:
             raise ValueError(f"batch_buckets {buckets} must include max_batch_slots={rows}")

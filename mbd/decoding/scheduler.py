@@ -1,13 +1,15 @@
 """Continuous batching: a FIFO of waiting requests and a fixed set of batch slots (rows).
 
 Requests are admitted into the lowest free row so that occupied rows stay packed at the front and the
-runner can use the smallest batch bucket; a finished or aborted request frees its row for the next one
-on the following step.
+runner can use the smallest batch bucket, and only when their KV pages fit; a finished or aborted request
+frees its row for the next one on the following step. When the page pool runs out mid-decode the youngest
+running request is preempted: back to the front of the queue, recomputed from its final tokens later.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from mbd.decoding.state import Request
 
@@ -39,17 +41,29 @@ class Scheduler:
     def free_rows(self) -> list[int]:
         return [r for r in range(self.rows) if r not in self.running]
 
-    def admit(self) -> list[Request]:
-        """Move waiting requests into free rows (lowest first). Call `take_aborted` first."""
+    def admit(self, fits: Callable[[Request, int], bool]) -> list[Request]:
+        """Move waiting requests, first come first served, into free rows (lowest first) while `fits(req, row)`
+        (the engine maps the request's KV pages there, or says the pool cannot hold it yet). Call
+        `take_aborted` first."""
         admitted = []
         for row in self.free_rows():
-            if not self.waiting:
+            if not self.waiting or not fits(self.waiting[0], row):
                 break
             req = self.waiting.popleft()
             req.row = row
             self.running[row] = req
             admitted.append(req)
         return admitted
+
+    def youngest(self) -> Request:
+        """The most recently admitted running request (the one preempted first)."""
+        return next(reversed(self.running.values()))
+
+    def preempt(self, req: Request) -> None:
+        """Send a running request back to the front of the queue (it is the oldest waiting one)."""
+        del self.running[req.row]
+        req.row = -1
+        self.waiting.appendleft(req)
 
     def take_aborted(self) -> list[Request]:
         """Remove and return every aborted request (running or waiting)."""

@@ -85,6 +85,11 @@ class BatchBuffers:
         self.semi_max_masked[row] = semi_max_masked
         self.tau_t2t[row] = 2.0 if p.tau_t2t is None else p.tau_t2t
 
+    def restore_row(self, row: int, tokens: list[int], states: list[int]) -> None:
+        """Put back a preempted request's resident tokens and slot states (after `load_row` set its params)."""
+        self.tokens[row, : len(tokens)] = torch.tensor(tokens, device=self.tokens.device)
+        self.state[row] = torch.tensor(states, device=self.state.device)
+
     def clear_row(self, row: int) -> None:
         """A free batch slot: all DUMMY and masked, inert while the static forward still runs it."""
         self.tokens[row] = self.mask_id
@@ -122,6 +127,10 @@ class Request:
     params: RequestParams
     block: int
     row: int = -1
+    known: list[int] = field(default_factory=list)  # tokens final from position 0: the prompt, then final blocks
+    aligned_len: int = 0  # block-aligned known tokens prefilled on admission (the prompt's; after a preemption, all
+    # committed ones), prefix-cache hits included
+    resume: tuple[list[int], int, int] | None = None  # after a preemption: (resident buffer tokens, n_res, n_tc)
     cache_len: int = 0  # committed prefix length (mirror of cache.lengths[row]); < aligned_len while prefilling
     decoding: bool = False  # the aligned prompt is committed and the Block Buffer runs
     n_res: int = 0  # resident (ACTIVE + TO_CACHE) slots
@@ -138,14 +147,12 @@ class Request:
     generator: torch.Generator | None = None
     logprobs: dict[int, float] | None = None  # absolute position -> log-probability of its current token
 
+    def __post_init__(self) -> None:
+        self.known, self.aligned_len = list(self.prompt_ids), len(self.prompt_ids) // self.block * self.block
+
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
-
-    @property
-    def aligned_len(self) -> int:
-        """Block-aligned prompt part that is prefilled into the KV cache."""
-        return self.prompt_len // self.block * self.block
 
     @property
     def num_generated(self) -> int:

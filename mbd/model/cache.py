@@ -1,13 +1,19 @@
-"""Static prefix KV cache, one row per request slot.
+"""Paged KV cache: a pool of fixed-size pages, addressed per request row through a page table.
 
-Shapes never change after allocation, so a decode step can be captured as a CUDA Graph. Every forward
-that is given the cache scatters the K/V of its tokens into their absolute positions; positions at or past
-`lengths[row]` are scratch that attention only sees through the caller's mask. `commit(rows, n)` makes the
-next n positions of a row part of the immutable prefix: the K/V there were written by the forward in which
-those tokens were final (the TO_CACHE step), which is the paper's decode-store overlap. The cache holds
-`max_len + margin` positions so that a full Block Buffer past the last committed token always fits.
-A view may also cap the key span that `read` returns (`view(..., span=L)`): attention then costs what the live
-prefix needs, not what the allocation holds; writes still land at absolute positions < span.
+Rows see a logical cache of `size` positions (`max_len + margin`, so that a full Block Buffer past the last
+committed token always fits); logical page j of row r lives in physical page `page_table[r, j]`. Shapes never
+change after allocation (the pool, the table), so a decode step can be captured as a CUDA Graph; only the table's
+contents change, in place, when pages are mapped. Physical page 0 is scratch: every unmapped logical page (and the
+one extra column past the last, where out-of-range positions go) points there, so the static forward's writes for
+DUMMY slots and free rows land somewhere no real token ever reads (the caller's mask hides them).
+
+Without a page count the pool gives every row its own `size` positions (the identity table; the reference decoders
+and tests use it). The engine's page manager (`mbd.decoding.cache_manager`) maps pages on demand instead, and
+shares committed prefix pages between rows. Every forward given the cache scatters the K/V of its tokens into their
+absolute positions; positions at or past `lengths[row]` are scratch. `commit(rows, n)` makes the next n positions of
+a row part of the immutable prefix: their K/V were written by the forward in which those tokens were final (the
+TO_CACHE step), which is the paper's decode-store overlap. A view may cap the key span that `read` returns
+(`view(..., span=L)`): attention then costs what the live prefix needs, not what a row could hold.
 """
 
 from __future__ import annotations
@@ -17,53 +23,81 @@ import torch
 from mbd.config import ModelConfig
 from mbd.model.tp import SINGLE, TPGroup
 
+SCRATCH = 0  # physical page that unmapped logical pages point to
+
+
+def default_page_size(block: int) -> int:
+    """Pages of at least 16 tokens (vLLM's default), always a whole number of BD-LM blocks."""
+    return block * max(1, 16 // block)
+
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, rows: int, max_len: int, margin: int = 0,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp: TPGroup = SINGLE):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp: TPGroup = SINGLE,
+                 page_size: int | None = None, num_pages: int | None = None):
+        """num_pages: the pool (scratch page included); None: room for every row at full size, identity-mapped."""
         heads = tp.split(cfg.num_key_value_heads, "num_key_value_heads")
         self.size = max_len + margin
         self.span = self.size  # keys [0, span) are what `read` returns
         self.max_len = max_len
-        shape = (cfg.num_hidden_layers, rows, heads, self.size, cfg.head_dim)
+        self.page_size = page_size or default_page_size(cfg.block_size)
+        if self.page_size % cfg.block_size:
+            raise ValueError(f"page_size={self.page_size} must be a multiple of block_size={cfg.block_size}")
+        self.pages_per_row = -(-self.size // self.page_size)
+        identity = num_pages is None
+        self.num_pages = 1 + rows * self.pages_per_row if identity else num_pages
+        if self.num_pages < 2:
+            raise ValueError(f"the KV pool needs at least 2 pages (one is scratch), got {self.num_pages}")
+        shape = (cfg.num_hidden_layers, self.num_pages, self.page_size, heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.page_table = torch.full((rows, self.pages_per_row + 1), SCRATCH, dtype=torch.long, device=device)
+        if identity:
+            self.page_table[:, :-1] = 1 + torch.arange(rows * self.pages_per_row, device=device).view(rows, -1)
+
+    @staticmethod
+    def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, tp: TPGroup = SINGLE) -> int:
+        """Bytes of K and V of one page over all layers (what a memory budget is divided by)."""
+        heads = tp.split(cfg.num_key_value_heads, "num_key_value_heads")
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_hidden_layers * page_size * heads * cfg.head_dim * elem
 
     def view(self, start: int, stop: int, span: int | None = None) -> "KVCache":
-        """A cache over rows [start, stop) sharing storage (writes and commits land in this cache) whose
-        `read` returns keys [0, span) only: a smaller batch bucket runs against the front rows, and a short
-        live prefix against a short key range, without copying."""
+        """A cache over rows [start, stop) sharing storage and page table (writes and commits land in this
+        cache) whose `read` returns keys [0, span) only: a smaller batch bucket runs against the front rows,
+        and a short live prefix against a short key range, without copying the table."""
         span = self.size if span is None else span
         if not 0 < span <= self.size:
             raise ValueError(f"span={span} must be in (0, {self.size}]")
         v = KVCache.__new__(KVCache)
-        v.k, v.v, v.lengths = self.k[:, start:stop], self.v[:, start:stop], self.lengths[start:stop]
-        v.size, v.span, v.max_len = self.size, span, self.max_len
+        v.__dict__.update(self.__dict__)
+        v.lengths, v.page_table, v.span = self.lengths[start:stop], self.page_table[start:stop], span
         return v
 
     @property
     def rows(self) -> int:
-        return self.k.shape[1]
+        return self.lengths.shape[0]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Scatter k/v [b, kvh, n, d] of every row (in order) to absolute positions pos [b, n]."""
-        idx = pos.clamp(max=self.size - 1).view(pos.shape[0], 1, -1, 1).expand(-1, k.shape[1], -1, k.shape[3])
-        self.k[layer].scatter_(2, idx, k)
-        self.v[layer].scatter_(2, idx, v)
+        page = self.page_table.gather(1, (pos // self.page_size).clamp(max=self.pages_per_row))
+        off = pos % self.page_size
+        self.k[layer].index_put_((page, off), k.transpose(1, 2))
+        self.v[layer].index_put_((page, off), v.transpose(1, 2))
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V [b, kvh, span, d] of every row: the key range a mask over `span` keys addresses."""
-        k, v = self.k[layer], self.v[layer]
-        if self.span == self.size:
-            return k, v
-        return k[:, :, : self.span], v[:, :, : self.span]
+        """K/V [b, kvh, span, d] of every row, gathered page by page through the table: the key range a mask
+        over `span` keys addresses."""
+        pages = self.page_table[:, : -(-self.span // self.page_size)]
+        k, v = (x[layer][pages].flatten(1, 2)[:, : self.span].transpose(1, 2) for x in (self.k, self.v))
+        return k, v
 
     def nbytes(self) -> int:
-        """Bytes allocated for K and V (all rows, all positions)."""
+        """Bytes allocated for K and V (the whole pool)."""
         return self.k.nbytes + self.v.nbytes
 
-    def commit(self, rows: torch.Tensor, n: torch.Tensor | int) -> None:
+    def commit(self, rows: torch.Tensor | int, n: torch.Tensor | int) -> None:
         """Extend the committed prefix of `rows` by n tokens (their K/V are already in place)."""
         self.lengths[rows] += n
 

@@ -182,16 +182,19 @@ def test_committed_kv_equals_full_forward(family):
     res = [engine.result(r) for r in reqs]
     assert res[1].finish_reason == "length"
     cache = engine.runner.cache
-    n = reqs[1].cache_len  # a finished row's length is reset, its committed K/V stay in place
-    assert int(cache.lengths[1]) == 0
-    assert n > len(prompt) + 8
-    ids = torch.tensor([(prompt + res[1].token_ids)[:n]])
-    ref = KVCache(cfg, 1, n, dtype=torch.float64)
+    assert int(cache.lengths[1]) == 0 and engine.kv.tables[1] == []  # a finished row holds nothing
+    # its committed full pages stay in the pool, registered for reuse under the sequence's tokens
+    seq = (prompt + res[1].token_ids)[: reqs[1].cache_len]
+    pages = [p for p, _ in engine.kv.match(seq)]
+    n = len(pages) * cache.page_size
+    assert n > len(prompt) + 8 and n > reqs[1].cache_len - cache.page_size
+    ref = KVCache(cfg, 1, n, dtype=torch.float64, page_size=cache.page_size)
     pos = torch.arange(n)[None]
     with torch.no_grad():
-        model(ids, pos, block_causal_dense(pos, n, torch.tensor([n]), 4), cache=ref)
-    torch.testing.assert_close(cache.k[:, 1, :, :n], ref.k[:, 0], atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(cache.v[:, 1, :, :n], ref.v[:, 0], atol=1e-10, rtol=1e-10)
+        model(torch.tensor([seq[:n]]), pos, block_causal_dense(pos, n, torch.tensor([n]), 4), cache=ref)
+    for got, want in ((cache.k, ref.k), (cache.v, ref.v)):  # [layers, pages, page, kvh, d] -> positions
+        torch.testing.assert_close(got[:, pages].flatten(1, 2), want[:, 1:1 + len(pages)].flatten(1, 2),
+                                   atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.gpu

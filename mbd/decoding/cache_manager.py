@@ -1,0 +1,140 @@
+"""KV cache manager: the page pool, each row's page table, and prefix reuse across requests.
+
+The paper asks that "committed prefix blocks should produce stable KV cache that remains reusable by the standard
+BD-LM prefix cache" (sec:decoding). Committed (IN_CACHE) blocks are immutable, so a page whose tokens are all
+committed can serve any later request whose sequence starts with the same tokens. Such a page is registered under
+a chained hash (its predecessor's hash and its own tokens, as vLLM does), and a hit compares the tokens too, so a
+hash collision is a miss, never a wrong page. Only full, committed pages are ever registered or shared: a row
+never writes below its committed length, so shared pages are read-only.
+
+A page is held by every row whose table maps it (reference count). At count zero a registered page stays cached
+(evicted least recently used when the pool needs a page; a sequence's tail pages go first), an unregistered one is
+free. The manager keeps host lists and writes a row's table to the device (`cache.page_table`) whenever it
+changes, before the next forward reads it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+import torch
+
+from mbd.model.cache import SCRATCH, KVCache
+
+
+def page_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
+    """Chained page key: equal keys for equal token prefixes (tuples of ints hash the same in every process)."""
+    return hash((prev, tokens))
+
+
+class CacheManager:
+    def __init__(self, cache: KVCache, prefix_caching: bool = True):
+        self.cache, self.page, self.prefix_caching = cache, cache.page_size, prefix_caching
+        self.ref = [0] * cache.num_pages
+        self.free: deque[int] = deque(p for p in range(cache.num_pages) if p != SCRATCH)
+        self.cached: OrderedDict[int, None] = OrderedDict()  # registered pages no row holds, least recent first
+        self.key: dict[int, tuple[int, tuple[int, ...]]] = {}  # registered page -> (hash, tokens)
+        self.by_hash: dict[int, int] = {}
+        self.tables: list[list[int]] = [[] for _ in range(cache.rows)]  # row -> physical pages, logical order
+        self.hashes: list[list[int]] = [[] for _ in range(cache.rows)]  # row -> chained hashes of its first pages
+
+    # ----------------------------------------------------------------- accounting
+    @property
+    def capacity(self) -> int:
+        return self.cache.num_pages - 1
+
+    def available(self) -> int:
+        """Pages a row could be given now: free ones and cached ones no row holds."""
+        return len(self.free) + len(self.cached)
+
+    def used(self) -> int:
+        """Pages some row holds."""
+        return self.capacity - self.available()
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page)
+
+    # ----------------------------------------------------------------- mapping
+    def match(self, ids: Sequence[int]) -> list[tuple[int, int]]:
+        """(page, hash) of the cached pages holding the longest full-page prefix of `ids`."""
+        out: list[tuple[int, int]] = []
+        h = None
+        for j in range(len(ids) // self.page if self.prefix_caching else 0):
+            tokens = tuple(ids[j * self.page: (j + 1) * self.page])
+            h = page_hash(h, tokens)
+            page = self.by_hash.get(h)
+            if page is None or self.key[page][1] != tokens:
+                break
+            out.append((page, h))
+        return out
+
+    def admit(self, row: int, ids: Sequence[int], need: int, reserve: int = 0) -> int | None:
+        """Map pages covering positions [0, need) of an empty row, reusing cached pages for the longest
+        full-page prefix of `ids` (committed tokens). Returns how many leading tokens were cached (their
+        prefill is skipped), or None, changing nothing, when that would leave fewer than `reserve` pages."""
+        hits = self.match(ids)
+        fresh = max(0, self.pages_for(need) - len(hits))
+        idle_hits = sum(1 for p, _ in hits if self.ref[p] == 0)  # they stop being available once mapped
+        if self.available() - idle_hits - fresh < reserve:
+            return None
+        for p, _ in hits:
+            if self.ref[p] == 0:
+                del self.cached[p]
+            self.ref[p] += 1
+        self.tables[row] = [p for p, _ in hits] + [self._alloc() for _ in range(fresh)]
+        self.hashes[row] = [h for _, h in hits]
+        self._upload(row)
+        return len(hits) * self.page
+
+    def ensure(self, row: int, need: int) -> bool:
+        """Map pages so that the row covers positions [0, need); False (nothing changed) if the pool is short."""
+        n = self.pages_for(need) - len(self.tables[row])
+        if n <= 0:
+            return True
+        if n > self.available():
+            return False
+        self.tables[row] += [self._alloc() for _ in range(n)]
+        self._upload(row)
+        return True
+
+    def register(self, row: int, ids: Sequence[int], committed: int) -> None:
+        """Make the row's full pages below `committed` (tokens `ids[:committed]`) reusable by later requests.
+        A page whose content is already registered under another page stays private."""
+        if not self.prefix_caching:
+            return
+        hs, table = self.hashes[row], self.tables[row]
+        for j in range(len(hs), committed // self.page):
+            tokens = tuple(ids[j * self.page: (j + 1) * self.page])
+            h = page_hash(hs[-1] if hs else None, tokens)
+            hs.append(h)
+            page = table[j]
+            if h not in self.by_hash and page not in self.key:
+                self.key[page], self.by_hash[h] = (h, tokens), page
+
+    def release(self, row: int) -> None:
+        """Unmap all of a row's pages (tail first, so cached tails are evicted before the heads they extend)."""
+        for p in reversed(self.tables[row]):
+            self.ref[p] -= 1
+            if self.ref[p] == 0:
+                if p in self.key:
+                    self.cached[p] = None
+                else:
+                    self.free.append(p)
+        self.tables[row], self.hashes[row] = [], []
+        self._upload(row)
+
+    def _alloc(self) -> int:
+        if self.free:
+            p = self.free.popleft()
+        else:  # evict the least recently released cached page
+            p, _ = self.cached.popitem(last=False)
+            h, _ = self.key.pop(p)
+            del self.by_hash[h]
+        self.ref[p] = 1
+        return p
+
+    def _upload(self, row: int) -> None:
+        t = self.tables[row]
+        full = t + [SCRATCH] * (self.cache.page_table.shape[1] - len(t))
+        self.cache.page_table[row].copy_(torch.tensor(full, dtype=torch.long))
