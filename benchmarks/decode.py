@@ -14,7 +14,7 @@ system alike (one torch thread; absolute times are noisy on a shared machine, th
 3. overhead: on the ~60M model, engine step wall / bare model forward of the same shape (batch and key
    span), alternated step by step; wall and thread-CPU medians.
 4. prefix: on the ~60M model at batch 1, step latency with a 1,024- vs a 64-token prompt, alternated step
-   by step; and the KV bytes allocated vs needed.
+   by step; and the KV bytes allocated vs needed vs mapped (pages). Prefix reuse: benchmarks/prefix_cache.py.
 
     python -m benchmarks.decode                 # everything (< 10 minutes on 2 cores)
     python -m benchmarks.decode --parts table --size 60m --repeats 3
@@ -225,11 +225,12 @@ def prefix_latency(size: str, block: int, tau: float, steps: int) -> dict:
                 t = time.perf_counter()
                 e.step()
                 times[plen].append(time.perf_counter() - t)
-    c = engines[1024].runner.cache
-    per_pos = c.nbytes() // (c.rows * c.size)
-    needed = (int(c.lengths.sum()) + c.rows * engines[1024].q) * per_pos
+    e = engines[1024]
+    c = e.runner.cache
+    per_pos = c.nbytes() // (c.num_pages * c.page_size)
+    needed = (int(c.lengths.sum()) + c.rows * e.q) * per_pos
     return {"ms64": 1e3 * statistics.median(times[64]), "ms1024": 1e3 * statistics.median(times[1024]),
-            "alloc": c.nbytes(), "needed": needed}
+            "alloc": c.nbytes(), "needed": needed, "mapped": e.kv.used() * c.page_size * per_pos}
 
 
 def buffer_cost(size: str, tau: float, repeats: int, blocks, batches, temper: float, new: int) -> list[str]:
@@ -390,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         p = prefix_latency("60m", 4, args.tau, args.steps)
         print(f"\nprefix, 60m model, SingleBD B=4, batch 1: step {p['ms64']:.1f} ms (prompt 64) vs {p['ms1024']:.1f} ms "
               f"(prompt 1024): {p['ms1024'] / p['ms64']:.2f}x\nKV cache: {p['alloc'] / 2**20:.1f} MiB allocated, "
-              f"{p['needed'] / 2**20:.1f} MiB needed by the live row (prompt 1024)", flush=True)
+              f"{p['needed'] / 2**20:.1f} MiB needed by the live row (prompt 1024), {p['mapped'] / 2**20:.1f} MiB of pages "
+              "mapped to it", flush=True)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     return 0
 

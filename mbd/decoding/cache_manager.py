@@ -38,6 +38,7 @@ class CacheManager:
         self.by_hash: dict[int, int] = {}
         self.tables: list[list[int]] = [[] for _ in range(cache.rows)]  # row -> physical pages, logical order
         self.hashes: list[list[int]] = [[] for _ in range(cache.rows)]  # row -> chained hashes of its first pages
+        self.inflight: dict[int, int] = {}  # hash -> row, of prompt pages mapped but not yet committed
 
     # ----------------------------------------------------------------- accounting
     @property
@@ -58,22 +59,31 @@ class CacheManager:
     # ----------------------------------------------------------------- mapping
     def match(self, ids: Sequence[int]) -> list[tuple[int, int]]:
         """(page, hash) of the cached pages holding the longest full-page prefix of `ids`."""
-        out: list[tuple[int, int]] = []
+        return list(self._walk(ids))[:-1]
+
+    def _walk(self, ids: Sequence[int]):
+        """Cached (page, hash) of ids' leading full pages, then (None, hash of the first uncached full page, or
+        None when every full page is cached)."""
         h = None
         for j in range(len(ids) // self.page if self.prefix_caching else 0):
             tokens = tuple(ids[j * self.page: (j + 1) * self.page])
             h = page_hash(h, tokens)
             page = self.by_hash.get(h)
             if page is None or self.key[page][1] != tokens:
-                break
-            out.append((page, h))
-        return out
+                yield None, h
+                return
+            yield page, h
+        yield None, None
 
     def admit(self, row: int, ids: Sequence[int], need: int, reserve: int = 0) -> int | None:
         """Map pages covering positions [0, need) of an empty row, reusing cached pages for the longest
         full-page prefix of `ids` (committed tokens). Returns how many leading tokens were cached (their
-        prefill is skipped), or None, changing nothing, when that would leave fewer than `reserve` pages."""
-        hits = self.match(ids)
+        prefill is skipped), or None, changing nothing, when that would leave fewer than `reserve` pages, or
+        when the next page of `ids` is being prefilled by another row: waiting a step for it to be committed
+        beats computing the same prefix twice (requests sharing a system prompt often arrive together)."""
+        *hits, (_, pending) = self._walk(ids)
+        if pending is not None and pending in self.inflight:
+            return None
         fresh = max(0, self.pages_for(need) - len(hits))
         idle_hits = sum(1 for p, _ in hits if self.ref[p] == 0)  # they stop being available once mapped
         if self.available() - idle_hits - fresh < reserve:
@@ -85,6 +95,11 @@ class CacheManager:
         self.tables[row] = [p for p, _ in hits] + [self._alloc() for _ in range(fresh)]
         self.hashes[row] = [h for _, h in hits]
         self._upload(row)
+        h = hits[-1][1] if hits else None
+        for j in range(len(hits), len(ids) // self.page if self.prefix_caching else 0):
+            h = page_hash(h, tuple(ids[j * self.page: (j + 1) * self.page]))
+            if h not in self.by_hash:
+                self.inflight.setdefault(h, row)
         return len(hits) * self.page
 
     def ensure(self, row: int, need: int) -> bool:
@@ -108,6 +123,8 @@ class CacheManager:
             tokens = tuple(ids[j * self.page: (j + 1) * self.page])
             h = page_hash(hs[-1] if hs else None, tokens)
             hs.append(h)
+            if self.inflight.get(h) == row:
+                del self.inflight[h]
             page = table[j]
             if h not in self.by_hash and page not in self.key:
                 self.key[page], self.by_hash[h] = (h, tokens), page
@@ -122,6 +139,8 @@ class CacheManager:
                 else:
                     self.free.append(p)
         self.tables[row], self.hashes[row] = [], []
+        for h in [h for h, r in self.inflight.items() if r == row]:
+            del self.inflight[h]
         self._upload(row)
 
     def _alloc(self) -> int:
