@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
@@ -24,8 +25,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.tp_worker import Lockstep, ModelSpec, Op, TPWorker, free_port, init_tp
 from mbd.decoding.spec import build_engine
 from mbd.config import DecodeConfig
-from mbd.decoding.engine import StepOutput
+from mbd.decoding.engine import Engine, StepOutput
 
+ON_STEP_S = 0.5  # metrics are refreshed at most this often (a step can take a millisecond)
 IDLE_TICK_S = 1.0  # an idle rank 0 still broadcasts this often, so follower ranks never hit a collective timeout
 
 
@@ -63,12 +65,23 @@ class _Stream:
             pass
 
 
+def engine_stats(engine: Engine, in_engine: int) -> dict[str, float]:
+    """Requests in the engine, free batch slots, decode steps and their wall time, the KV page pool (pages some
+    request holds, pages free or cached), prefix-cache hit rate (prompt tokens served from cached pages) and
+    preemptions so far."""
+    s, kv = engine.stats, engine.kv
+    return {"in_engine": in_engine, "free_slots": engine.num_free_slots(), "steps": s.steps, "step_s": s.step_s,
+            "kv_pages_used": kv.used(), "kv_pages_free": kv.available(), "prefix_hit_rate": s.prefix_hit_rate,
+            "prefix_hit_tokens": s.prefix_hit_tokens, "preemptions": s.preemptions}
+
+
 class EngineHost:
-    def __init__(self, spec: ModelSpec, decode: DecodeConfig, on_queue_length: Callable[[int], None] | None = None,
+    def __init__(self, spec: ModelSpec, decode: DecodeConfig, on_step: Callable[[dict[str, float]], None] | None = None,
                  startup_timeout_s: float = 600.0):
+        """on_step: called from the engine loop with `engine_stats(...)` after steps, at most every ON_STEP_S."""
         self.spec = spec
         self.decode = decode
-        self._on_queue_length = on_queue_length
+        self._on_step = on_step
         self._inbox: queue.SimpleQueue[Op] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -103,7 +116,7 @@ class EngineHost:
             with torch.inference_mode():
                 lock = self._lockstep = Lockstep(build_engine(self.spec, self.decode, tp), tp.world, ctrl)
                 self._ready.set()
-                n_live = 0
+                reported = 0.0
                 while True:
                     ops = lock.exchange(self._drain(block=not lock.engine.has_unfinished()))
                     for rid, reason in lock.apply(ops):
@@ -111,9 +124,9 @@ class EngineHost:
                     if lock.stopped:
                         break
                     self._publish(lock.step())
-                    if self._on_queue_length is not None and len(lock.live) != n_live:
-                        n_live = len(lock.live)
-                        self._on_queue_length(n_live)
+                    if self._on_step is not None and time.monotonic() - reported >= ON_STEP_S:
+                        reported = time.monotonic()
+                        self._on_step(engine_stats(lock.engine, len(lock.live)))
         except BaseException as e:  # noqa: BLE001 - any failure must reach the waiting requests and check_health
             self._fail_all(e)
         finally:
@@ -176,14 +189,11 @@ class EngineHost:
         self._lockstep.engine.check_request(prompt_ids, params)
 
     def stats(self) -> dict[str, float]:
-        """A snapshot for operators and tests: open streams, aborted requests, requests in the engine, free slots,
-        and the engine's decode steps and their total wall time."""
+        """A snapshot for operators and tests: open streams, aborted requests, and `engine_stats`."""
         lock = self._lockstep
         if lock is None:
             return {"streams": len(self._streams), "aborted": self.num_aborted}
-        e = lock.engine
-        return {"streams": len(self._streams), "aborted": self.num_aborted, "in_engine": len(lock.live),
-                "free_slots": e.num_free_slots(), "steps": e.stats.steps, "step_s": e.stats.step_s}
+        return {"streams": len(self._streams), "aborted": self.num_aborted} | engine_stats(lock.engine, len(lock.live))
 
     async def generate(self, prompt_ids: list[int], params: DecodeConfig) -> AsyncIterator[Delta]:
         """Yield merged deltas until the request finishes; leaving early (client gone) aborts it in the engine."""

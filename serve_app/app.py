@@ -58,7 +58,7 @@ class Decoder:
 
     def __init__(self, spec: ModelSpec, decode: DecodeConfig):
         self.metrics = DecoderMetrics()
-        self.host = EngineHost(spec, decode, on_queue_length=self.metrics.set_queue_length)
+        self.host = EngineHost(spec, decode, on_step=self.metrics.update)
 
     async def generate(self, prompt_ids: list[int], params: DecodeConfig, per_block: bool = True
                        ) -> AsyncIterator[Delta]:

@@ -37,10 +37,22 @@ class IngressMetrics:
 
 
 class DecoderMetrics:
-    """Per replica: requests inside the engine (decoding or waiting for a slot)."""
+    """Per replica: requests inside the engine (decoding or waiting for a slot), the KV page pool, the prefix
+    cache and preemptions (from `actors.decoder.engine_stats`, refreshed by the engine loop)."""
 
     def __init__(self) -> None:
         self.queue_length = Gauge("mbd_engine_requests", "requests in this replica's engine (running + waiting)")
+        self.pages_used = Gauge("mbd_kv_pages_used", "KV cache pages held by requests")
+        self.pages_free = Gauge("mbd_kv_pages_free", "KV cache pages free or holding an evictable cached prefix")
+        self.hit_rate = Gauge("mbd_prefix_cache_hit_rate", "share of admitted prompt tokens served from cached pages")
+        self.preemptions = Counter("mbd_preemptions", "requests preempted because the KV page pool ran out")
+        self._preempted = 0
 
-    def set_queue_length(self, n: int) -> None:
-        self.queue_length.set(n)
+    def update(self, stats: dict[str, float]) -> None:
+        self.queue_length.set(stats["in_engine"])
+        self.pages_used.set(stats["kv_pages_used"])
+        self.pages_free.set(stats["kv_pages_free"])
+        self.hit_rate.set(stats["prefix_hit_rate"])
+        if stats["preemptions"] > self._preempted:  # Ray counters refuse inc(0)
+            self.preemptions.inc(stats["preemptions"] - self._preempted)
+            self._preempted = int(stats["preemptions"])

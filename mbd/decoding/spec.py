@@ -28,6 +28,11 @@ class EngineSpec(StrictModel):
         default="auto", description="auto: bfloat16 on cuda, float32 on cpu")
     max_batch_slots: int = Field(default=8, ge=1, le=1024, description="requests decoded together per step")
     torch_threads: int | None = Field(default=None, ge=1, description="intra-op threads (CPU); None: torch's")
+    kv_cache_bytes: int | None = Field(default=None, ge=1, description=(
+        "KV page pool budget (per tensor-parallel rank); None: room for every batch slot at max_length"))
+    page_size: int | None = Field(default=None, ge=1, description="tokens per KV page, a multiple of the block "
+                                  "size; None: 16 or one block, whichever is larger")
+    prefix_caching: bool = Field(default=True, description="reuse committed prefix pages across requests")
 
     def resolved_path(self) -> Path:
         """Absolute model directory: relative paths from the working directory, then the repository root, so
@@ -62,4 +67,6 @@ def build_engine(spec: EngineSpec, decode: DecodeConfig, tp: TPGroup = SINGLE,
     """An engine for `spec` under `decode`; `loaded` reuses weights from `load_engine_model` (the eval sweeps
     build one engine per decoding configuration over the same weights); `engine_kw` go to `Engine` (trace, ...)."""
     model, tok = loaded if loaded is not None else load_engine_model(spec, tp)
-    return Engine(model, tok, decode, max_batch_slots=spec.max_batch_slots, device=spec.torch_device(), **engine_kw)
+    return Engine(model, tok, decode, max_batch_slots=spec.max_batch_slots, device=spec.torch_device(),
+                  kv_cache_bytes=spec.kv_cache_bytes, page_size=spec.page_size, prefix_caching=spec.prefix_caching,
+                  **engine_kw)

@@ -173,6 +173,22 @@ def test_openai_client(base, ref):
     assert text == _want(ref, ref[1].encode_chat(msgs), 12).text
 
 
+def test_a_shared_prompt_prefix_is_served_from_cached_pages(base, ref):
+    """The second request repeats the first one's long system prompt: every full KV page of the common prefix
+    comes from the prefix cache (the replica's stats count it), and the answer is what the engine gives alone."""
+    system = "You are a careful calculator; answer with the number only. "
+    before = _stats("tp1")
+    ids = []
+    for q in ("12+7=", "3*4="):
+        ids.append(ref[1].encode(system + q))
+        r = _post(base, "tp1", "completions", {"model": MODEL, "prompt": system + q, "max_tokens": 8,
+                                               "return_token_ids": True})
+        assert r.json()["choices"][0]["token_ids"] == _want(ref, ids[-1], 8).token_ids
+    after, page = _stats("tp1"), ref[0].kv.page
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == len(os.path.commonprefix(ids)) // page * page > 0
+    assert 0 < after["prefix_hit_rate"] <= 1 and after["kv_pages_free"] > 0
+
+
 # ---------------------------------------------------------------- tensor parallelism, auth, back-pressure
 
 
