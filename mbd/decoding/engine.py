@@ -1,6 +1,8 @@
 """The Block Buffer MultiBD engine (alg:optimized_multibd): the public decoding API of the project.
 
-One `step()` = admit waiting requests into free rows -> ONE static-shape forward over every decoding row's
+One `step()` = admit waiting requests into free rows while their KV pages fit (reusing cached prefix pages,
+`cache_manager`) -> map pages for every row's resident slots (preempting the youngest request when the pool is
+short) -> ONE static-shape forward over every decoding row's
 Block Buffer, carrying up to `prefill_budget` prompt tokens of admitted rows (chunked prefill; with no row
 decoding a prompt is prefilled at once) -> logits for the ACTIVE slots only -> vectorised M2T / T2T token
 updates -> one device-to-host transfer of the tokens and per-slot counts -> per-request host bookkeeping in

@@ -1,8 +1,9 @@
 """Model runner: prefill, and the static-shape Block Buffer forward (CUDA Graph per (batch, span) bucket on GPU).
 
 Every decode step is ONE forward over input ids [bucket, N_buf * B] at positions cache.lengths + arange,
-against the static KV cache. The forward scatters all buffer tokens' K/V into the cache (scratch beyond
-the committed length); the mask `block_causal_dense(pos, span, lengths + n_resident * B, B)` lets a
+against the paged KV cache (read and written through each row's page table, whose contents the cache manager
+changes in place; unmapped positions go to a scratch page). The forward scatters all buffer tokens' K/V into the
+cache (scratch beyond the committed length); the mask `block_causal_dense(pos, span, lengths + n_resident * B, B)` lets a
 real token see the committed prefix and the resident slots up to its own block, and makes DUMMY slots
 invisible (a dummy token sees the visible region and itself, never another dummy: no empty softmax row,
 no NaN; its output is ignored and its scratch K/V are rewritten before anyone may read them). Positions and
