@@ -27,9 +27,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict
 
 from mbd.config import REPO_ROOT
+from mbd.eval.code_extract import extract_code
 from mbd.eval.code_scoring import CodeScorer, CodeScoringConfig, CodeTests, Flavor
 from mbd.eval.math_scoring import score_gsm8k, score_math
-from mbd.eval.prompts import extract_code
 
 Kind = Literal["math", "code"]
 
