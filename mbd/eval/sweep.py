@@ -95,6 +95,8 @@ class DecodeEntry(StrictModel):
 
 
 class ProblemSplit(NamedTuple):
+    """A benchmark entry's problems: those scored, and the few-shot exemplars shown before each (disjoint)."""
+
     scored: list[Problem]
     exemplars: list[Problem]
 

@@ -90,7 +90,7 @@ def test_fewshot_sweep_beside_zero_shot(ray_cluster, model_dir, tmp_path):
         benchmarks=[{"name": "tinymath", "limit": 3}, {"name": "tinymath", "limit": 3, "fewshot": 2}],
         batch_size=2, trace_problems=0, device="cpu", workers=1, cpus_per_worker=0.5, cpus_per_scorer=0.25)
     splits = load_splits(cfg)
-    zero, few = splits["tinymath"], splits["tinymath+2shot"]
+    few = splits["tinymath+2shot"]
     exemplar_ids = {p.problem_id for p in few.exemplars}
     assert len(exemplar_ids) == 2 and not exemplar_ids & {p.problem_id for p in few.scored}
 

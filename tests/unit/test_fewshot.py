@@ -3,7 +3,8 @@ token-identical shared prefix that makes a prefix cache pay off (issue 17)."""
 
 import pytest
 from pydantic import ValidationError
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from mbd.config import ConfigError
 from mbd.eval.benchmarks import Problem, get_benchmark, resolve_data_dir
