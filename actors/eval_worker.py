@@ -9,7 +9,8 @@ from __future__ import annotations
 import ray
 
 from mbd.config import DecodeConfig
-from mbd.eval.sweep import Decoded, EngineCache, ModelEntry, decode_prompts
+from mbd.eval.prompts import Message
+from mbd.eval.sweep import DecodedUnit, EngineCache, ModelEntry, decode_prompts
 
 
 @ray.remote
@@ -21,6 +22,6 @@ class EvalWorker:
             torch.set_num_threads(torch_threads)
         self.engines = EngineCache(device, batch_size, trace)
 
-    def decode(self, model: ModelEntry, params: DecodeConfig, prompts: list[str],
-               keep_trace: list[bool]) -> list[Decoded]:
+    def decode(self, model: ModelEntry, params: DecodeConfig, prompts: list[list[Message]],
+               keep_trace: list[bool]) -> DecodedUnit:
         return decode_prompts(self.engines.get(model, params), prompts, params, keep_trace)

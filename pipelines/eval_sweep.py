@@ -28,8 +28,8 @@ from mbd.config import ConfigError, apply_sets, read_yaml, resolve_path, validat
 from mbd.eval.benchmarks import Problem, ScoreResult, get_benchmark
 from mbd.eval.code_exec import UNSAFE_ENV, IsolationUnavailable, require_isolation
 from mbd.eval.report import SweepSummary, write_sweep_report
-from mbd.eval.sweep import (ResultStore, SweepConfig, WorkQueue, check_models, load_problems, make_record, plan_units,
-                            score_completion)
+from mbd.eval.sweep import (PrefixCacheRecord, ResultStore, SweepConfig, WorkQueue, check_models, load_problems,
+                            load_splits, make_record, plan_units, score_completion)
 
 UNITS_IN_FLIGHT = 2  # per worker: the next unit is queued at the actor while the driver handles the last one
 
@@ -56,12 +56,13 @@ def _scorer_env() -> dict:
 def run_sweep(cfg: SweepConfig, progress: bool = True) -> SweepSummary:
     """Decode and score every missing (model, config, benchmark, problem), then write the report."""
     t0 = time.perf_counter()
-    problems = load_problems(cfg)
+    splits = load_splits(cfg)
+    problems = {label: s.scored for label, s in splits.items()}
     store = ResultStore(cfg.output_dir)
-    units, skipped = plan_units(cfg, problems, store)
+    units, skipped = plan_units(cfg, problems, store, {label: s.exemplars for label, s in splits.items()})
     queue = WorkQueue(units)
     decoded = 0
-    if any(get_benchmark(u.cell.benchmark).kind == "code" for u in units):
+    if any(get_benchmark(u.cell.bench.name).kind == "code" for u in units):
         require_isolation()  # refuse before decoding anything, not in a scorer hours later
     if units:
         check_models({u.cell.model.name: u.cell.model for u in units}.values())
@@ -117,18 +118,21 @@ def _drive(cfg: SweepConfig, queue: WorkQueue, workers: list, store: ResultStore
             _, w, unit = what
             busy[w] -= 1
             feed(w)
-            cell = unit.cell
-            for problem, d in zip(unit.problems, ray.get(ref)):
+            cell, out = unit.cell, ray.get(ref)
+            store.append_prefix_cache(cell.model.name, cell.decode.name, cell.benchmark, PrefixCacheRecord(
+                problem_ids=[p.problem_id for p in unit.problems], query_tokens=out.prefix_query_tokens,
+                hit_tokens=out.prefix_hit_tokens))
+            for problem, d in zip(unit.problems, out.decoded):
                 if d.trace is not None:
                     store.append_trace(cell.model.name, cell.decode.name, cell.benchmark, problem.problem_id, d.trace)
-                score = _score.options(num_cpus=cfg.cpus_per_scorer, runtime_env=_scorer_env()).remote(cell.benchmark, problem_ref(problem),
-                                                                           d.completion)
+                score = _score.options(num_cpus=cfg.cpus_per_scorer, runtime_env=_scorer_env()).remote(
+                    cell.bench.name, problem_ref(problem), d.completion)
                 inflight[score] = ("score", cell, problem, d)
                 decoded += 1
         else:
             _, cell, problem, d = what
-            store.append(make_record(cell.model.name, cell.decode.name, problem, d.model_copy(update={"trace": None}),
-                                     ray.get(ref)))
+            store.append(make_record(cell.model.name, cell.decode.name, cell.benchmark, problem,
+                                     d.model_copy(update={"trace": None}), ray.get(ref)))
             bars[cell.benchmark].update(1)
     return decoded
 

@@ -27,9 +27,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict
 
 from mbd.config import REPO_ROOT
+from mbd.eval.code_extract import extract_code
 from mbd.eval.code_scoring import CodeScorer, CodeScoringConfig, CodeTests, Flavor
 from mbd.eval.math_scoring import score_gsm8k, score_math
-from mbd.eval.prompts import extract_code
 
 Kind = Literal["math", "code"]
 
@@ -50,7 +50,8 @@ class DataIntegrityError(ValueError):
 
 
 class Problem(BaseModel):
-    """One benchmark problem. `reference` is the gold answer (math) or canonical solution (code)."""
+    """One benchmark problem. `reference` is the gold answer (math) or canonical solution (code); `solution` the
+    worked solution of a math problem (what a few-shot exemplar shows), where the data has one."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -58,6 +59,7 @@ class Problem(BaseModel):
     problem_id: str
     prompt_text: str
     reference: str
+    solution: str = ""
     tests: CodeTests | None = None
     metadata: dict[str, str | int] = {}
 
@@ -145,7 +147,7 @@ class GSM8K:
 
     def load(self, data_dir: str | Path | None = None, limit: int | None = None) -> list[Problem]:
         rows = [Problem(benchmark=self.name, problem_id=f"gsm8k/{i}", prompt_text=r["question"],
-                        reference=r["answer"].rsplit("####", 1)[1].strip())
+                        reference=r["answer"].rsplit("####", 1)[1].strip(), solution=r["answer"])
                 for i, r in enumerate(_read_jsonl(_data_file("gsm8k_test.jsonl", data_dir), limit))]
         return _checked(rows, self.name, limit)
 
@@ -163,7 +165,7 @@ class Math500:
 
     def load(self, data_dir: str | Path | None = None, limit: int | None = None) -> list[Problem]:
         rows = [Problem(benchmark=self.name, problem_id=r["unique_id"], prompt_text=r["problem"], reference=r["answer"],
-                        metadata={"subject": r["subject"], "level": r["level"]})
+                        solution=r["solution"], metadata={"subject": r["subject"], "level": r["level"]})
                 for r in _read_jsonl(_data_file("math500_test.jsonl", data_dir), limit)]
         return _checked(rows, self.name, limit)
 

@@ -1,23 +1,29 @@
-"""User-turn prompts per benchmark, and code extraction from completions.
+"""Chat prompts per benchmark: the user turn that asks for a problem, and optional few-shot exemplar turns.
 
-Only the user message is built here; the chat template (SDAR im_start or LLaDA2 role format) is
-applied by `mbd.tokenizer`. A benchmark this module does not know (e.g. one registered later by
-another module) gets its `prompt_text` verbatim, so it owns its own wording.
+Only messages are built here; the chat template (SDAR im_start or LLaDA2 role format) is applied by
+`mbd.tokenizer`. A benchmark this module does not know (e.g. one registered later by another module) gets its
+`prompt_text` verbatim, so it owns its own wording, and its `solution` as an exemplar's answer.
+
+Few-shot mode (lm-eval's `--apply_chat_template --fewshot_as_multiturn` layout): each exemplar is a user turn
+(the same prompt a scored problem gets) and an assistant turn (its worked solution in the answer format that
+prompt asks for). Every problem of a benchmark gets the same exemplars in the same order, so all its prompts
+share one long token prefix that a prefix cache serves once.
 """
 
 from __future__ import annotations
 
-import ast
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
-if TYPE_CHECKING:
-    from mbd.eval.benchmarks import Problem
+from mbd.eval.benchmarks import Problem
 
 GSM8K_INSTRUCTION = "Please reason step by step, and put your final answer after ####."
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 CODE_INSTRUCTION = ("Write a self-contained Python solution and put the complete code, including the function "
                     "definition and any imports, in a single ```python code block.")
+_CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8K's calculator annotations, e.g. `<<48/2=24>>`
+
+Message = dict[str, str]
 
 
 def user_prompt(problem: Problem) -> str:
@@ -35,76 +41,28 @@ def user_prompt(problem: Problem) -> str:
     return problem.prompt_text
 
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
-_KEEP = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign,
-         ast.AnnAssign)
-_CODE_START = re.compile(r"^(def |async def |class |import |from |@)")
-_PARSE_BUDGET = 2000  # ast.parse attempts before giving up on finding code inside prose
+def exemplar_answer(problem: Problem) -> str:
+    """The assistant turn of a few-shot exemplar: `problem` solved in the format its user prompt asks for
+    (GSM8K's worked solution without calculator annotations, ending `#### N`; MATH's solution with its
+    `\\boxed{}`; the canonical code in one ```python block)."""
+    if problem.benchmark == "gsm8k":
+        return _CALCULATOR.sub("", problem.solution)
+    if problem.benchmark in ("humaneval_plus", "humaneval"):
+        return _python_block(problem.prompt_text + problem.reference)
+    if problem.benchmark == "mbpp_plus":
+        return _python_block(problem.reference)
+    if not problem.solution:
+        raise ValueError(f"{problem.problem_id}: no worked solution, so it cannot be a few-shot exemplar")
+    return problem.solution
 
 
-def extract_code(completion: str, prompt: str, entry_point: str) -> str:
-    """The program to test: the prompt's context (imports, helpers) plus the model's code.
-
-    Handles a fenced block (the one defining `entry_point`, else all blocks), a bare full function
-    and a bare function body continuing `prompt` (base-model style). Top-level statements other
-    than imports, definitions and assignments (demo prints, asserts, `if __name__ == ...`) are
-    dropped, as EvalPlus's sanitizer does; later definitions override the prompt's stub.
-    """
-    blocks = [m.group(2) for m in _FENCE.finditer(completion) if m.group(1).lower() in ("", "python", "py", "python3")]
-    defines = re.compile(rf"^\s*(async\s+)?def\s+{re.escape(entry_point)}\s*\(", re.MULTILINE)
-    if blocks:
-        chosen = [b for b in blocks if defines.search(b)][:1] or blocks
-        code = "\n".join(chosen)
-    else:
-        code = completion
-    if defines.search(code) or code.lstrip().startswith(("import ", "from ", "class ")):
-        program = f"{prompt}\n{_longest_parsable(code)}"
-    else:
-        program = _longest_parsable(prompt + code)  # a body continuing the prompt's signature
-    return _sanitize(program)
+def chat_messages(problem: Problem, exemplars: Sequence[Problem] = ()) -> list[Message]:
+    """The conversation sent for `problem`: the exemplars' user/assistant turns, then the problem's user turn."""
+    turns: list[Message] = []
+    for e in exemplars:
+        turns += [{"role": "user", "content": user_prompt(e)}, {"role": "assistant", "content": exemplar_answer(e)}]
+    return turns + [{"role": "user", "content": user_prompt(problem)}]
 
 
-def _longest_parsable(code: str) -> str:
-    """`code` if it parses, else the longest parsable span that starts at a code-looking line.
-
-    Models often add prose before or after the code; EvalPlus likewise keeps the longest
-    syntactically valid span.
-    """
-    if _parses(code):
-        return code
-    lines = code.split("\n")
-    starts = [i for i, ln in enumerate(lines) if _CODE_START.match(ln)] or [0]
-    best = (0, 0)  # (start, length)
-    budget = _PARSE_BUDGET
-    for s in starts:
-        for n in range(len(lines) - s, best[1], -1):  # longest first, only spans that would beat `best`
-            budget -= 1
-            if budget < 0:
-                break
-            if lines[s + n - 1].strip() and _parses("\n".join(lines[s: s + n])):
-                best = (s, n)
-                break
-    return "\n".join(lines[best[0]: best[0] + best[1]]) if best[1] else code
-
-
-def _parses(code: str) -> bool:
-    try:
-        ast.parse(code)
-    except (SyntaxError, ValueError):
-        return False
-    return True
-
-
-def _sanitize(program: str) -> str:
-    """Keep imports, definitions and assignments at top level, in source order."""
-    try:
-        tree = ast.parse(program)
-    except (SyntaxError, ValueError):
-        return program  # let it fail in the sandbox with its own SyntaxError
-    lines = program.split("\n")
-    kept = []
-    for node in tree.body:
-        if isinstance(node, _KEEP):
-            start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-            kept.append("\n".join(lines[start - 1: node.end_lineno]))
-    return "\n".join(kept) + "\n"
+def _python_block(code: str) -> str:
+    return f"```python\n{code.rstrip()}\n```"

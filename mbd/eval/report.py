@@ -10,7 +10,10 @@
   section on that benchmark (d3LLM passes the best accuracy of the compared methods). A curve of one point has
   no AUP ("–"). The paper's per-row values cannot be reproduced exactly: the threshold sweeps behind them are
   not documented.
-- Throughput table: average TPF, step latency, TPS per benchmark, gains against the section's first row.
+- Throughput table: average TPF, step latency, TPS per benchmark, gains against the section's first row, and the
+  prefix-cache hit rate (prompt tokens served from cached pages over those looked up, from the engine's counters
+  over every decoded unit of the cell; averaged over benchmarks). Few-shot entries (`fewshot: k`) share their
+  exemplars' prefix across problems, which is where the rate is high; their columns are titled e.g. GSM8K (8shot).
 - Plots (matplotlib, Agg): accuracy vs TPF per benchmark with AUP in the legend, and the
   fig:train_infer_noise_activity panels C-E from engine traces.
 
@@ -34,11 +37,17 @@ from pydantic import BaseModel, Field
 from mbd.eval.benchmarks import Problem
 from mbd.eval.metrics import AupPoint, GenerationRecord, aup, aup_d3llm, mean_aup, summarize
 from mbd.eval.stats import bootstrap, paired_difference
-from mbd.eval.sweep import ItemRecord, ResultStore, SweepConfig, cells, write_parquet
+from mbd.eval.sweep import ItemRecord, PrefixCacheRecord, ResultStore, SweepConfig, cells, write_parquet
 
 DISPLAY = {"gsm8k": "GSM8K", "math500": "MATH500", "mbpp_plus": "MBPP+", "humaneval_plus": "HumanEval+",
            "humaneval": "HumanEval", "tinymath": "tinymath"}
 NONE = "–"
+
+
+def display(label: str) -> str:
+    """A benchmark entry's title: `gsm8k` -> GSM8K, `gsm8k+8shot` -> GSM8K (8shot)."""
+    name, _, mode = label.partition("+")
+    return DISPLAY.get(name, name) + (f" ({mode.replace('+', ', ')})" if mode else "")
 
 
 class CellMetrics(BaseModel):
@@ -52,6 +61,8 @@ class CellMetrics(BaseModel):
     tpf: float
     tps: float
     step_latency_ms: float
+    prefix_hit_rate: float | None = Field(None, description="prefix-cache hit tokens / looked-up prompt tokens over "
+                                                            "the cell's decoded units; None: no lookups stored")
 
 
 class Row(BaseModel):
@@ -80,7 +91,7 @@ class Layout(BaseModel):
     def from_sweep(cls, cfg: SweepConfig) -> "Layout":
         return cls(rows=[Row(model=m.name, config=d.name, section=m.table_section,
                              curve=d.curve or default_curve(m.name, d.point_of or d.name), shown=d.point_of is None)
-                         for m, d in cfg.pairs()], benchmarks=[b.name for b in cfg.benchmarks])
+                         for m, d in cfg.pairs()], benchmarks=[b.label for b in cfg.benchmarks])
 
     @classmethod
     def from_cells(cls, metrics: Sequence[CellMetrics]) -> "Layout":
@@ -124,7 +135,7 @@ class Report(BaseModel):
         for b in self.layout.benchmarks:
             ns = sorted({c.n for c in self.cells if c.benchmark == b})
             counts[b] = "0" if not ns else str(ns[0]) if len(ns) == 1 else f"{ns[0]}-{ns[-1]}"
-        n_line = ", ".join(f"{DISPLAY.get(b, b)} {n}" for b, n in counts.items())
+        n_line = ", ".join(f"{display(b)} {n}" for b, n in counts.items())
         return (f"# {title}\n\nProblems per benchmark: {n_line}.\n\n## Accuracy, TPF and AUP (tab:main_results)\n\n"
                 f"{self.main_table}\n\n## AUP per curve\n\n{self.aup_table}\n\n"
                 f"## Throughput (tab:tps_comparison)\n\n{self.tps_table}\n")
@@ -133,8 +144,11 @@ class Report(BaseModel):
 # ---------------------------------------------------------------------------------------------- numbers
 
 
-def aggregate(records: Iterable[ItemRecord]) -> list[CellMetrics]:
-    """Per (model, config, benchmark): accuracy (%), TPF (ratio of sums), TPS, step latency; first-seen order."""
+def aggregate(records: Iterable[ItemRecord],
+              prefix_cache: Mapping[tuple[str, str, str], Sequence[PrefixCacheRecord]] | None = None
+              ) -> list[CellMetrics]:
+    """Per (model, config, benchmark): accuracy (%), TPF (ratio of sums), TPS, step latency, and the prefix-cache
+    hit rate of the cell's stored lookups (0 when they looked nothing up); first-seen order."""
     groups: dict[tuple[str, str, str], list[ItemRecord]] = {}
     for r in records:
         groups.setdefault((r.model, r.config, r.benchmark), []).append(r)
@@ -144,8 +158,13 @@ def aggregate(records: Iterable[ItemRecord]) -> list[CellMetrics]:
                                         wall_s=r.wall_time_s) for r in rs])
         nfe = sum(r.nfe for r in rs)
         lat = sum(r.step_latency_ms * r.nfe for r in rs) / nfe if nfe else 0.0
+        lookups = (prefix_cache or {}).get((model, config, bench))
+        hit_rate = None
+        if lookups:
+            query = sum(u.query_tokens for u in lookups)
+            hit_rate = sum(u.hit_tokens for u in lookups) / query if query else 0.0
         out.append(CellMetrics(model=model, config=config, benchmark=bench, n=m.n, accuracy=m.accuracy, tpf=m.tpf,
-                               tps=m.tps, step_latency_ms=lat))
+                               tps=m.tps, step_latency_ms=lat, prefix_hit_rate=hit_rate))
     return out
 
 
@@ -194,12 +213,12 @@ def build_report(metrics: Sequence[CellMetrics], layout: Layout | None = None) -
     curves = curve_aups(layout, by_cell)
     curve_of = {(c.section, c.curve): c for c in curves}
     benches = layout.benchmarks
-    names = [DISPLAY.get(b, b) for b in benches]
+    names = [display(b) for b in benches]
 
     main_rows, aup_rows, tps_rows = [], [], []
     for section, rows in layout.sections().items():
         main_rows.append([f"**{section}**"] + [""] * (2 * len(benches) + 4))
-        tps_rows.append([f"**{section}**"] + [""] * (len(benches) + 6))
+        tps_rows.append([f"**{section}**"] + [""] * (len(benches) + 7))
         base: tuple[float | None, float | None, float | None] | None = None
         for r in (r for r in rows if r.shown):
             cs = [by_cell.get((r.model, r.config, b)) for b in benches]
@@ -216,8 +235,9 @@ def build_report(metrics: Sequence[CellMetrics], layout: Layout | None = None) -
                 gains = ["--", "1.00×", "--"]
             else:
                 gains = [_gain(avg_tpf, base[0]), _ratio(lat, base[1]), _gain(avg_tps, base[2])]
+            hit = _mean([c.prefix_hit_rate if c else None for c in cs])
             tps_rows.append([r.label, _fmt(avg_tpf), gains[0], _fmt(lat), gains[1]] + [_fmt(x) for x in tps]
-                            + [_fmt(avg_tps), gains[2]])
+                            + [_fmt(avg_tps), gains[2], _fmt(None if hit is None else 100 * hit, ".1f")])
     for c in curves:
         aup_rows.append([c.section, c.curve, ", ".join(c.configs)] + [_fmt(c.per_benchmark[b]) for b in benches]
                         + [_fmt(c.mean)] + [_fmt(c.per_benchmark_d3llm[b]) for b in benches] + [_fmt(c.mean_d3llm)])
@@ -226,7 +246,7 @@ def build_report(metrics: Sequence[CellMetrics], layout: Layout | None = None) -
     aup_table = _table(["Section", "Curve", "Configurations"] + [f"{n} AUP" for n in names] + ["Avg AUP"]
                        + [f"{n} AUP (d3LLM)" for n in names] + ["Avg AUP (d3LLM)"], aup_rows)
     tps_table = _table(["Model", "Avg TPF", "TPF Gain", "Step Lat. (ms)", "Lat. Cost"] + [f"{n} TPS" for n in names]
-                       + ["Avg TPS", "TPS Gain"], tps_rows)
+                       + ["Avg TPS", "TPS Gain", "Prefix Hit (%)"], tps_rows)
     return Report(layout=layout, cells=list(metrics), curves=curves, main_table=main, aup_table=aup_table,
                   tps_table=tps_table)
 
@@ -308,7 +328,7 @@ def plot_accuracy_vs_tpf(report: Report, path: str | Path) -> Path:
                     label=f"{c.section}: {c.curve} (AUP {_fmt(value)})")
             for x, y, name in pts:
                 ax.annotate(name, (x, y), fontsize=6, alpha=0.7, textcoords="offset points", xytext=(3, 3))
-        ax.set_title(DISPLAY.get(panel, panel))
+        ax.set_title(display(panel))
         ax.set_xlabel("TPF")
         ax.set_ylabel("Accuracy (%)")
         ax.grid(alpha=0.3)
@@ -387,14 +407,19 @@ def write_sweep_report(cfg: SweepConfig, problems: Mapping[str, Sequence[Problem
     store, out = ResultStore(cfg.output_dir), Path(cfg.output_dir)
     records: list[ItemRecord] = []
     traces: dict[str, list[list[dict]]] = {}
+    lookups: dict[tuple[str, str, str], list[PrefixCacheRecord]] = {}
     for cell in cells(cfg):
         ids = [p.problem_id for p in problems[cell.benchmark]]
         stored = store.load(cell.model.name, cell.decode.name, cell.benchmark)
         records += [stored[i] for i in ids if i in stored]
+        current = set(ids)  # the units that decoded any of the current problems
+        lookups[(cell.model.name, cell.decode.name, cell.benchmark)] = [
+            u for u in store.load_prefix_cache(cell.model.name, cell.decode.name, cell.benchmark)
+            if current.intersection(u.problem_ids)]
         label = row_label(cell.model.name, cell.decode.name, cell.model.table_section)
         kept = store.load_traces(cell.model.name, cell.decode.name, cell.benchmark)
         traces.setdefault(label, []).extend(kept[i] for i in ids if i in kept)
-    report = build_report(aggregate(records), Layout.from_sweep(cfg))
+    report = build_report(aggregate(records, lookups), Layout.from_sweep(cfg))
     report_md = report.markdown(f"Evaluation sweep `{cfg.name}`")
     report_path = out / "report.md"
     report_path.parent.mkdir(parents=True, exist_ok=True)
@@ -459,7 +484,7 @@ def method_rows(cells: Sequence[CellMetrics], methods: Sequence[Method], benchma
 
 def method_table(rows: Sequence[MethodRow], section: str, benchmark: str) -> str:
     """Markdown in tab:main_results' layout for one benchmark (its columns are also the average)."""
-    name = DISPLAY.get(benchmark, benchmark)
+    name = display(benchmark)
     body = [[f"***{section}***", "", "", "", ""]]
     body += [[r.method, _fmt(r.accuracy), _fmt(r.tpf), _fmt(r.tps, ".1f"), _fmt(r.aup)] for r in rows]
     return _table(["Model", f"{name} Acc ↑", f"{name} TPF ↑", "TPS ↑", "AUP ↑"], body)

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from mbd.config import ConfigError, DecodeConfig, StrictModel, load_yaml, resolve_path, validate
 from mbd.eval.benchmarks import Kind, Problem, ScoreResult, get_benchmark, list_benchmarks
-from mbd.eval.prompts import user_prompt
+from mbd.eval.prompts import Message, chat_messages
 
 if TYPE_CHECKING:  # torch is imported only where decoding happens: scoring processes stay light
     from mbd.decoding.engine import Engine
@@ -93,9 +94,43 @@ class DecodeEntry(StrictModel):
         return validate(DecodeConfig, {**base.model_dump(), **self.overrides}, f"decoding '{self.name}' overrides")
 
 
+class ProblemSplit(NamedTuple):
+    """A benchmark entry's problems: those scored, and the few-shot exemplars shown before each (disjoint)."""
+
+    scored: list[Problem]
+    exemplars: list[Problem]
+
+
 class BenchmarkEntry(StrictModel):
+    """A benchmark of the sweep, zero-shot (the paper's rows) or k-shot.
+
+    k-shot (`fewshot: k`): k exemplars drawn once with `fewshot_seed` from the benchmark's own problems (the
+    data has no training split) go before every problem as prior chat turns, the same ones in the same order,
+    and are left out of scoring; `limit` counts scored problems. The entry's `label` names its results and
+    its report column, so a k-shot run never resumes from zero-shot records."""
+
     name: str
-    limit: int | None = Field(None, ge=1, description="first `limit` problems (default: all)")
+    limit: int | None = Field(None, ge=1, description="first `limit` scored problems (default: all)")
+    fewshot: int = Field(0, ge=0, description="exemplars before every problem (lm-eval's num_fewshot); 0: zero-shot")
+    fewshot_seed: int = Field(0, description="draws the exemplars")
+
+    @property
+    def label(self) -> str:
+        if not self.fewshot:
+            return self.name
+        return f"{self.name}+{self.fewshot}shot" + (f"+seed{self.fewshot_seed}" if self.fewshot_seed else "")
+
+    def load(self, data_dir: str | None) -> ProblemSplit:
+        """The scored problems and the exemplars (none when zero-shot); never a scored problem as an exemplar."""
+        bench = get_benchmark(self.name)
+        if not self.fewshot:
+            return ProblemSplit(bench.load(data_dir, self.limit), [])
+        pool = bench.load(data_dir)
+        if self.fewshot >= len(pool):
+            raise ConfigError(f"benchmarks: {self.name} has {len(pool)} problems, too few for fewshot: {self.fewshot}")
+        picked = random.Random(self.fewshot_seed).sample(range(len(pool)), self.fewshot)
+        taken = set(picked)
+        return ProblemSplit([p for i, p in enumerate(pool) if i not in taken][: self.limit], [pool[i] for i in picked])
 
 
 class SweepConfig(StrictModel):
@@ -124,7 +159,7 @@ class SweepConfig(StrictModel):
     @model_validator(mode="after")
     def _check(self) -> "SweepConfig":
         for field, names in (("models", [m.name for m in self.models]), ("decoding", [d.name for d in self.decoding]),
-                             ("benchmarks", [b.name for b in self.benchmarks])):
+                             ("benchmarks", [b.label for b in self.benchmarks])):
             dup = sorted({n for n in names if names.count(n) > 1})
             if dup:
                 raise ValueError(f"{field}: duplicate names {dup}; every entry needs its own name")
@@ -189,8 +224,27 @@ class ItemRecord(BaseModel):
     detail: str = ""
 
 
-def make_record(model: str, config: str, problem: Problem, decoded: Decoded, score: ScoreResult) -> ItemRecord:
-    return ItemRecord(model=model, config=config, benchmark=problem.benchmark, problem_id=problem.problem_id,
+class DecodedUnit(BaseModel):
+    """What the decoder returns for one unit: each prompt's result, and the engine's prefix-cache lookups over the
+    unit (prompt tokens looked up, and those whose K/V came from cached pages)."""
+
+    decoded: list[Decoded]
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+
+
+class PrefixCacheRecord(BaseModel):
+    """The prefix-cache lookups of one decoded unit of a cell, stored beside the cell's records."""
+
+    problem_ids: list[str]
+    query_tokens: int
+    hit_tokens: int
+
+
+def make_record(model: str, config: str, benchmark: str, problem: Problem, decoded: Decoded,
+                score: ScoreResult) -> ItemRecord:
+    """`benchmark`: the sweep entry's label (its results file), not necessarily `problem.benchmark`."""
+    return ItemRecord(model=model, config=config, benchmark=benchmark, problem_id=problem.problem_id,
                       completion=decoded.completion, correct=score.correct, nfe=decoded.nfe,
                       num_generated=decoded.num_generated, tpf=decoded.tpf, wall_time_s=decoded.wall_time_s,
                       step_latency_ms=decoded.step_latency_ms, finish_reason=decoded.finish_reason,
@@ -203,8 +257,9 @@ def score_completion(benchmark: str, problem: Problem, completion: str) -> Score
 
 
 class ResultStore:
-    """results/<model>/<config>/<benchmark>.jsonl (one ItemRecord per line, appended per problem) and
-    traces/<model>/<config>/<benchmark>.jsonl ({problem_id, trace} per line) under `root`."""
+    """results/<model>/<config>/<benchmark>.jsonl (one ItemRecord per line, appended per problem),
+    traces/<model>/<config>/<benchmark>.jsonl ({problem_id, trace} per line) and
+    prefix_cache/<model>/<config>/<benchmark>.jsonl (one PrefixCacheRecord per decoded unit) under `root`."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -225,6 +280,13 @@ class ResultStore:
 
     def load_traces(self, model: str, config: str, benchmark: str) -> dict[str, list[dict]]:
         return {row["problem_id"]: row["trace"] for row in self._read(self.path(model, config, benchmark, "traces"))}
+
+    def append_prefix_cache(self, model: str, config: str, benchmark: str, record: PrefixCacheRecord) -> None:
+        self._append(self.path(model, config, benchmark, "prefix_cache"), record.model_dump())
+
+    def load_prefix_cache(self, model: str, config: str, benchmark: str) -> list[PrefixCacheRecord]:
+        return [PrefixCacheRecord.model_validate(row)
+                for row in self._read(self.path(model, config, benchmark, "prefix_cache"))]
 
     @staticmethod
     def _append(path: Path, row: dict) -> None:
@@ -265,11 +327,16 @@ def write_parquet(records: Sequence[ItemRecord], path: str | Path) -> Path:
 # ------------------------------------------------------------------------------------------------ decoding
 
 
-def decode_prompts(engine: Engine, prompts: Sequence[str], params: DecodeConfig,
-                   keep_trace: Sequence[bool] | None = None) -> list[Decoded]:
-    """Decode user prompts (chat-formatted) with continuous batching. A prompt that leaves no room to generate
-    is reported with finish_reason 'prompt_too_long' (and scores as wrong) instead of failing the sweep."""
-    ids = [engine.encode(p) for p in prompts]
+def decode_prompts(engine: Engine, prompts: Sequence[Sequence[Message]], params: DecodeConfig,
+                   keep_trace: Sequence[bool] | None = None) -> DecodedUnit:
+    """Decode chat conversations with continuous batching. A prompt that leaves no room to generate is reported
+    with finish_reason 'prompt_too_long' (and scores as wrong) instead of failing the sweep. The engine's
+    prefix-cache counters are read before and after, so the unit's lookups exclude earlier work."""
+    if engine.tokenizer is None:
+        raise ValueError("sweep prompts are chat text: the engine needs a tokenizer")
+    ids = [engine.tokenizer.encode_chat(list(p)) for p in prompts]
+    stats = engine.stats
+    query0, hit0 = stats.prefix_query_tokens, stats.prefix_hit_tokens
     limit = min(params.max_length, engine.max_length)
     fits = [i for i, x in enumerate(ids) if len(x) < limit]
     results = iter(engine.generate([ids[i] for i in fits], params)) if fits else iter(())
@@ -284,7 +351,8 @@ def decode_prompts(engine: Engine, prompts: Sequence[str], params: DecodeConfig,
         out.append(Decoded(completion=r.text, nfe=r.nfe, num_generated=r.num_generated, tpf=r.tpf,
                            wall_time_s=r.wall_time_s, step_latency_ms=r.step_latency_ms,
                            finish_reason=r.finish_reason, trace=r.trace if keep[i] else None))
-    return out
+    return DecodedUnit(decoded=out, prefix_query_tokens=stats.prefix_query_tokens - query0,
+                       prefix_hit_tokens=stats.prefix_hit_tokens - hit0)
 
 
 class EngineCache:
@@ -324,7 +392,12 @@ class EngineCache:
 class Cell:
     model: ModelEntry
     decode: DecodeEntry
-    benchmark: str
+    bench: BenchmarkEntry
+
+    @property
+    def benchmark(self) -> str:
+        """The benchmark entry's label: the cell's results file and report column."""
+        return self.bench.label
 
 
 @dataclass
@@ -335,14 +408,15 @@ class Unit:
     params: DecodeConfig
     problems: list[Problem]
     keep_trace: list[bool]
+    exemplars: list[Problem]
 
     @property
     def key(self) -> tuple[str, str, str]:
         """Units with the same key run on the same engine."""
         return self.cell.model.name, self.cell.decode.name, self.params.model_dump_json()
 
-    def prompts(self) -> list[str]:
-        return [user_prompt(p) for p in self.problems]
+    def prompts(self) -> list[list[Message]]:
+        return [chat_messages(p, self.exemplars) for p in self.problems]
 
 
 def check_models(models: Iterable[ModelEntry]) -> None:
@@ -356,24 +430,32 @@ def check_models(models: Iterable[ModelEntry]) -> None:
 
 
 def cells(cfg: SweepConfig) -> list[Cell]:
-    return [Cell(m, d, b.name) for m, d in cfg.pairs() for b in cfg.benchmarks]
+    return [Cell(m, d, b) for m, d in cfg.pairs() for b in cfg.benchmarks]
+
+
+def load_splits(cfg: SweepConfig) -> dict[str, ProblemSplit]:
+    """Scored problems and exemplars per benchmark entry, by label."""
+    return {b.label: b.load(cfg.data_dir) for b in cfg.benchmarks}
 
 
 def load_problems(cfg: SweepConfig) -> dict[str, list[Problem]]:
-    return {b.name: get_benchmark(b.name).load(cfg.data_dir, b.limit) for b in cfg.benchmarks}
+    """The scored problems per benchmark entry, by label."""
+    return {label: split.scored for label, split in load_splits(cfg).items()}
 
 
-def plan_units(cfg: SweepConfig, problems: dict[str, list[Problem]], store: ResultStore) -> tuple[list[Unit], int]:
+def plan_units(cfg: SweepConfig, problems: Mapping[str, list[Problem]], store: ResultStore,
+               exemplars: Mapping[str, list[Problem]]) -> tuple[list[Unit], int]:
     """The units still to decode (stored problem ids are skipped) and the number of problems skipped."""
     units, skipped, size = [], 0, cfg.batch_size * BATCHES_PER_UNIT
     for cell in cells(cfg):
         done = store.load(cell.model.name, cell.decode.name, cell.benchmark)
         todo = [(i, p) for i, p in enumerate(problems[cell.benchmark]) if p.problem_id not in done]
         skipped += len(problems[cell.benchmark]) - len(todo)
-        params = cell.decode.params(get_benchmark(cell.benchmark).kind)
+        params = cell.decode.params(get_benchmark(cell.bench.name).kind)
         for s in range(0, len(todo), size):
             chunk = todo[s: s + size]
-            units.append(Unit(cell, params, [p for _, p in chunk], [i < cfg.trace_problems for i, _ in chunk]))
+            units.append(Unit(cell, params, [p for _, p in chunk], [i < cfg.trace_problems for i, _ in chunk],
+                              exemplars[cell.benchmark]))
     return units, skipped
 
 

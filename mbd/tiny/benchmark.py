@@ -2,7 +2,8 @@
 
 Problems are generated, not read: the held-out split is fixed by construction (mbd.tiny.task), so
 `data_dir` is ignored and the benchmark needs no file. The user prompt is the bare question, exactly the
-text the tiny model is trained on (mbd.eval.prompts passes unknown benchmarks' `prompt_text` verbatim).
+text the tiny model is trained on (mbd.eval.prompts passes unknown benchmarks' `prompt_text` verbatim), and a
+few-shot exemplar's answer is its worked solution `...;#### N`, the response the model is trained to write.
 Importing this module registers the benchmark.
 """
 
@@ -28,7 +29,7 @@ class TinyMath:
             raise ValueError(f"limit must be >= 0, got {limit}")
         n = self.size if limit is None else min(limit, self.size)
         return [Problem(benchmark=self.name, problem_id=f"{self.name}/{r['question']}", prompt_text=r["question"],
-                        reference=str(r["answer"]), metadata=r["fields"])
+                        reference=str(r["answer"]), solution=r["solution"], metadata=r["fields"])
                 for r in generate("heldout", n, self.seed)]
 
     def score(self, problem: Problem, completion_text: str) -> ScoreResult:

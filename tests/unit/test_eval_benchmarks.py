@@ -17,7 +17,8 @@ from mbd.eval.benchmarks import (
     register_benchmark,
     resolve_data_dir,
 )
-from mbd.eval.prompts import CODE_INSTRUCTION, GSM8K_INSTRUCTION, MATH_INSTRUCTION, extract_code, user_prompt
+from mbd.eval.code_extract import extract_code
+from mbd.eval.prompts import CODE_INSTRUCTION, GSM8K_INSTRUCTION, MATH_INSTRUCTION, user_prompt
 
 
 def _data_dir():

@@ -8,9 +8,9 @@ from pydantic import ValidationError
 
 from mbd.config import ConfigError
 from mbd.eval.metrics import AupPoint, aup, aup_d3llm, mean_aup
-from mbd.eval.report import (CellMetrics, Layout, Row, activity_profile, active_counts, aggregate, build_report,
+from mbd.eval.report import (CellMetrics, Layout, Row, activity_profile, active_counts, aggregate, build_report, display,
                              mask_ratios_by_rank, plot_accuracy_vs_tpf, plot_noise_activity, write_sweep_report)
-from mbd.eval.sweep import ItemRecord, ResultStore, SweepConfig, WorkQueue, load_problems, plan_units
+from mbd.eval.sweep import ItemRecord, PrefixCacheRecord, ResultStore, SweepConfig, WorkQueue, load_problems, plan_units
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -220,7 +220,7 @@ def test_plan_skips_stored_and_queue_prefers_held_engine(tmp_path):
     problems = load_problems(cfg)
     store = ResultStore(cfg.output_dir)
     store.append(rec("m", "a", "tinymath", problems["tinymath"][0].problem_id, True, 4, 2))
-    units, skipped = plan_units(cfg, problems, store)
+    units, skipped = plan_units(cfg, problems, store, {"tinymath": []})
     assert skipped == 1
     assert sum(len(u.problems) for u in units) == 2 * 5 - 1
     a_units = [u for u in units if u.cell.decode.name == "a"]
@@ -255,3 +255,61 @@ def test_write_sweep_report_from_store(tmp_path):
 
     assert pq.read_table(summary.parquet_path).num_rows == 4
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["decoded"] == 4
+
+
+# ------------------------------------------------------------------------------------------- prefix cache
+
+
+def test_prefix_hit_rate_per_cell_and_in_the_throughput_table():
+    lookups = {("m", "a", "gsm8k"): [PrefixCacheRecord(problem_ids=["gsm8k/0"], query_tokens=100, hit_tokens=75),
+                                     PrefixCacheRecord(problem_ids=["gsm8k/1"], query_tokens=100, hit_tokens=25)],
+               ("m", "a", "tinymath"): [PrefixCacheRecord(problem_ids=["tinymath/0"], query_tokens=0, hit_tokens=0)],
+               ("m", "c", "gsm8k"): []}
+    cells = {(c.config, c.benchmark): c.prefix_hit_rate for c in aggregate(records(), lookups)}
+    # pooled over units: (75 + 25) / 200; no lookups made: 0; nothing stored: unknown
+    assert cells == {("a", "gsm8k"): 0.5, ("a", "tinymath"): 0.0, ("b", "gsm8k"): None, ("b", "tinymath"): None,
+                     ("c", "gsm8k"): None, ("c", "tinymath"): None}
+    report = build_report(aggregate(records(), lookups), layout())
+    assert report.tps_table.splitlines()[0].endswith("| Avg TPS | TPS Gain | Prefix Hit (%) |")
+    t = parse_table(report.tps_table)
+    assert t["a"][-1] == "25.0" and t["b"][-1] == "–"  # mean over benchmarks of 50% and 0%
+
+
+def test_fewshot_columns_and_stored_lookups_in_the_sweep_report(tmp_path):
+    cfg = sweep_cfg(tmp_path, benchmarks=[{"name": "tinymath", "limit": 2},
+                                          {"name": "tinymath", "limit": 2, "fewshot": 1}])
+    assert display("tinymath+1shot") == "tinymath (1shot)" and display("gsm8k+8shot+seed2") == "GSM8K (8shot, seed2)"
+    problems = load_problems(cfg)
+    assert list(problems) == ["tinymath", "tinymath+1shot"]
+    store = ResultStore(cfg.output_dir)
+    for label, ps in problems.items():
+        for config in "ab":
+            for p in ps:
+                store.append(rec("m", config, label, p.problem_id, True, 8, 4))
+    fs = [p.problem_id for p in problems["tinymath+1shot"]]
+    store.append_prefix_cache("m", "a", "tinymath+1shot", PrefixCacheRecord(problem_ids=fs, query_tokens=64,
+                                                                             hit_tokens=48))
+    store.append_prefix_cache("m", "a", "tinymath+1shot", PrefixCacheRecord(  # another run's problems: ignored
+        problem_ids=["tinymath/not-in-this-sweep"], query_tokens=64, hit_tokens=0))
+    summary = write_sweep_report(cfg, problems)
+    rates = {(c.config, c.benchmark): c.prefix_hit_rate for c in summary.cells}
+    assert rates == {("a", "tinymath"): None, ("b", "tinymath"): None, ("a", "tinymath+1shot"): 0.75,
+                     ("b", "tinymath+1shot"): None}
+    assert "tinymath (1shot) Acc" in summary.table_markdown
+    stored = json.loads((tmp_path / "out" / "summary.json").read_text())["cells"]
+    assert {(c["config"], c["benchmark"]): c["prefix_hit_rate"] for c in stored} == rates
+
+
+def test_fewshot_units_carry_the_same_exemplars_for_every_problem(tmp_path):
+    from mbd.eval.sweep import load_splits
+
+    cfg = sweep_cfg(tmp_path, batch_size=1, benchmarks=[{"name": "tinymath", "limit": 5, "fewshot": 2}])
+    splits = load_splits(cfg)
+    units, _ = plan_units(cfg, {k: s.scored for k, s in splits.items()}, ResultStore(cfg.output_dir),
+                          {k: s.exemplars for k, s in splits.items()})
+    convs = [c for u in units for c in u.prompts()]
+    assert len(convs) == 2 * 5
+    turns = [{"role": r, "content": c} for e in splits["tinymath+2shot"].exemplars
+             for r, c in (("user", e.prompt_text), ("assistant", e.solution))]
+    assert all(c[:4] == turns and c[4:] == [{"role": "user", "content": p.prompt_text}]
+               for c, p in zip(convs, splits["tinymath+2shot"].scored * 2))
