@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field
+import psutil
+import torch.distributed as dist
+from pydantic import Field, model_validator
 
 from mbd.config import DecodeConfig, StrictModel, parse_dtype, resolve_path
 from mbd.decoding.engine import Engine
@@ -30,9 +32,18 @@ class EngineSpec(StrictModel):
     torch_threads: int | None = Field(default=None, ge=1, description="intra-op threads (CPU); None: torch's")
     kv_cache_bytes: int | None = Field(default=None, ge=1, description=(
         "KV page pool budget (per tensor-parallel rank); None: room for every batch slot at max_length"))
+    kv_cache_fraction: float | None = Field(default=None, gt=0, le=0.95, description=(
+        "or: this share of the device memory free once the weights are loaded (host memory on CPU); the "
+        "smallest over the tensor-parallel ranks, so every rank's pool is the same"))
     page_size: int | None = Field(default=None, ge=1, description="tokens per KV page, a multiple of the block "
                                   "size; None: 16 or one block, whichever is larger")
     prefix_caching: bool = Field(default=True, description="reuse committed prefix pages across requests")
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> "EngineSpec":
+        if self.kv_cache_bytes is not None and self.kv_cache_fraction is not None:
+            raise ValueError("set kv_cache_bytes or kv_cache_fraction, not both")
+        return self
 
     def resolved_path(self) -> Path:
         """Absolute model directory: relative paths from the working directory, then the repository root, so
@@ -68,5 +79,19 @@ def build_engine(spec: EngineSpec, decode: DecodeConfig, tp: TPGroup = SINGLE,
     build one engine per decoding configuration over the same weights); `engine_kw` go to `Engine` (trace, ...)."""
     model, tok = loaded if loaded is not None else load_engine_model(spec, tp)
     return Engine(model, tok, decode, max_batch_slots=spec.max_batch_slots, device=spec.torch_device(),
-                  kv_cache_bytes=spec.kv_cache_bytes, page_size=spec.page_size, prefix_caching=spec.prefix_caching,
-                  **engine_kw)
+                  kv_cache_bytes=kv_cache_budget(spec, tp), page_size=spec.page_size,
+                  prefix_caching=spec.prefix_caching, **engine_kw)
+
+
+def kv_cache_budget(spec: EngineSpec, tp: TPGroup = SINGLE) -> int | None:
+    """The KV pool's bytes: `kv_cache_bytes`, or `kv_cache_fraction` of the memory free now (after the weights),
+    reduced to the minimum over the tensor-parallel ranks: ranks decide admission and preemption independently
+    from the same inputs, so their pools must be the same size."""
+    if spec.kv_cache_fraction is None:
+        return spec.kv_cache_bytes
+    dev = spec.torch_device()
+    free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else psutil.virtual_memory().available
+    budget = torch.tensor([int(free * spec.kv_cache_fraction)], device=dev)
+    if tp.world > 1:
+        dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=tp.group)
+    return int(budget.item())

@@ -159,3 +159,22 @@ def test_tp2_ranks_keep_the_same_page_tables(tmp_path):
     assert r0 == r1
     preemptions, hits = r0["stats"]
     assert preemptions > 0 and hits > 0
+
+
+def test_a_memory_fraction_sizes_the_pool(monkeypatch):
+    """kv_cache_fraction: that share of the memory free after loading (host memory on CPU), in whole pages."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    from mbd.config import DecodeConfig
+    from mbd.decoding import EngineSpec, build_engine
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=10_000_000))
+    spec = EngineSpec(path="mbd/assets/tiny", device="cpu", max_batch_slots=4, kv_cache_fraction=0.5)
+    eng = build_engine(spec, DecodeConfig(max_length=256, max_new_tokens=16))
+    cache = eng.runner.cache
+    page = KVCache.page_bytes(eng.model.cfg, cache.page_size, torch.float32)
+    assert cache.num_pages == 5_000_000 // page and cache.nbytes() <= 5_000_000
+    with pytest.raises(ValueError, match="not both"):
+        EngineSpec(path="mbd/assets/tiny", kv_cache_bytes=1 << 20, kv_cache_fraction=0.5)
