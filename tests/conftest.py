@@ -35,3 +35,16 @@ def tiny_cfg(family: str = "sdar", **kw):
 @pytest.fixture(params=["sdar", "llada2_moe"])
 def family(request):
     return request.param
+
+
+def _data_dir():
+    from mbd.eval.benchmarks import resolve_data_dir
+
+    try:
+        return resolve_data_dir()
+    except FileNotFoundError:
+        return None
+
+
+DATA = _data_dir()
+needs_data = pytest.mark.skipif(DATA is None, reason="benchmark data directory not available")

@@ -19,17 +19,7 @@ from mbd.eval.benchmarks import (
 )
 from mbd.eval.code_extract import extract_code
 from mbd.eval.prompts import CODE_INSTRUCTION, GSM8K_INSTRUCTION, MATH_INSTRUCTION, user_prompt
-
-
-def _data_dir():
-    try:
-        return resolve_data_dir()
-    except FileNotFoundError:
-        return None
-
-
-DATA = _data_dir()
-needs_data = pytest.mark.skipif(DATA is None, reason="benchmark data directory not available")
+from tests.conftest import DATA, needs_data
 
 
 @needs_data

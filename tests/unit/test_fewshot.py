@@ -7,23 +7,13 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from mbd.config import ConfigError
-from mbd.eval.benchmarks import Problem, get_benchmark, resolve_data_dir
+from mbd.eval.benchmarks import Problem, get_benchmark
 from mbd.eval.code_extract import extract_code
 from mbd.eval.math_scoring import score_gsm8k
 from mbd.eval.prompts import chat_messages, exemplar_answer
 from mbd.eval.sweep import BenchmarkEntry
 from mbd.tokenizer import Tokenizer
-
-
-def _data_dir():
-    try:
-        return resolve_data_dir()
-    except FileNotFoundError:
-        return None
-
-
-DATA = _data_dir()
-needs_data = pytest.mark.skipif(DATA is None, reason="benchmark data directory not available")
+from tests.conftest import DATA, needs_data
 
 
 def _problem(benchmark, prompt_text="q", reference="", solution=""):
