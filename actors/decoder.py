@@ -23,9 +23,9 @@ import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.tp_worker import Lockstep, ModelSpec, Op, TPWorker, free_port, init_tp
-from mbd.decoding.spec import build_engine
 from mbd.config import DecodeConfig
 from mbd.decoding.engine import Engine, StepOutput
+from mbd.decoding.spec import build_engine
 
 ON_STEP_S = 0.5  # metrics are refreshed at most this often (a step can take a millisecond)
 IDLE_TICK_S = 1.0  # an idle rank 0 still broadcasts this often, so follower ranks never hit a collective timeout

@@ -86,8 +86,8 @@ def reuse(n_req: int, prefix: int, suffix: int, slots: int, new: int, tau: float
 
     runs = side_by_side(engines, make, new, repeats)
     base = runs["no reuse"]
-    lines = ["| engine | prompt tokens computed | prefix tokens from cache | TTFT p50 s | total TPS | TTFT gain "
-             "| TPS gain |", "|---|---|---|---|---|---|---|"]
+    head = "| engine | prompt tokens computed | prefix tokens from cache | TTFT p50 s | total TPS | TTFT gain | TPS gain |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
     for name, rs in runs.items():
         served = med(rs, "hits") / (n_req * prefix)
         lines.append(f"| {name} | {med(rs, 'prefill'):,.0f} | {100 * served:.1f}% | {med(rs, 'ttft'):.2f} | "

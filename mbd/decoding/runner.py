@@ -44,8 +44,8 @@ from torch import nn
 from mbd.config import ModelConfig
 from mbd.decoding.state import BatchBuffers, SlotState
 from mbd.model import KVCache
-from mbd.model.cache import default_page_size
 from mbd.model.base import Segment, Segments
+from mbd.model.cache import default_page_size
 from mbd.model.masks import decode_block_mask
 from mbd.model.tp import SINGLE
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 import psutil
+import torch
 import torch.distributed as dist
 from pydantic import Field, model_validator
 

@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mbd.decoding import Engine
-from mbd.decoding import cache_manager
+from mbd.decoding import Engine, cache_manager
 from mbd.model import KVCache, TPGroup, build_model, load_checkpoint, save_checkpoint
 from tests.conftest import tiny_cfg
 from tests.unit.test_decoding_engine import dcfg, tempered_model
