@@ -1,30 +1,27 @@
-"""EvalPlus pass@1 scoring for HumanEval+ and MBPP+ (differential testing), judged by EvalPlus itself.
+"""HumanEval+ and MBPP+ pass@1 (EvalPlus differential testing): our sandbox runs the program, EvalPlus judges.
 
-Who does what, and why:
-- The candidate runs ONLY in our sandbox (`code_exec.run_calls`: bubblewrap, rlimits, audit hooks), never under
-  EvalPlus's in-process `reliability_guard`, which its own docstring says is not a security sandbox.
-- The verdict is EvalPlus's: the `evalplus` package, pinned to EVALPLUS_VERSION (the release whose data versions,
-  HumanEval+ v0.1.10 and MBPP+ v0.2.0, are the files under ../shared/data). Its `unsafe_execute` runs here, in the
-  harness, on the values the sandbox returned, so its special oracles, float tolerances (`is_floats`, the atol that
-  stays on for the rest of a phase once a float output is met, `np.allclose(rtol=1e-7)`) and its order of checks
-  decide. It runs with its process guard, temp dir, I/O capture and timer switched off (they would cripple the
-  harness and guard nothing here) and with its `exec` of the program replaced by a replay of the sandbox's
-  outputs: no program code runs in this process. Like EvalPlus, base and plus inputs are judged as two phases.
-- Only `evalplus.eval` is imported (it needs numpy and psutil); `evalplus.data`, which downloads data sets and
-  imports `datasets`, never is. The package's other requirements (LLM API clients, transformers, tree-sitter)
-  serve its code generation, so it is installed with `pip install --no-deps evalplus==0.3.1`.
-Expected outputs: the canonical solution run on each input in the sandbox (EvalPlus's `trusted_exec` does this
-in-process; here it is isolated and timed), cached in memory and as JSON under `~/.cache/mbd/evalplus` unless
-disabled; for EvalPlus's not-None tasks the expected value is `out is not None`, as EvalPlus stores it.
-Time limits: EvalPlus's max(DEFAULT_MIN_TIME_LIMIT, DEFAULT_GT_TIME_LIMIT_FACTOR * reference time) per input, but
-on CPU time rather than wall time, so that a loaded machine (2 shared cores in CI) does not fail correct programs;
-the task's CPU budget is min(max_task_s, sum of limits) and a wall deadline of 3x that catches programs that sleep.
-All inputs of a task run in ONE sandboxed process, which stops at the first failure: an error or timeout at once,
-a wrong value as soon as EvalPlus has judged it (each phase's outputs so far are re-judged from the phase start
-whenever their count reaches a power of two, which keeps EvalPlus's per-phase state exact for under 3x the
-judging work).
+- The program runs ONLY in our sandbox (`code_exec.run_calls`: bubblewrap, rlimits, audit hooks), never under
+  EvalPlus's in-process `reliability_guard`, which by its own docstring is not a security sandbox.
+- The verdict is the `evalplus` package's, pinned to EVALPLUS_VERSION (the release of the data versions under
+  ../shared/data, HumanEval+ v0.1.10 and MBPP+ v0.2.0): its `unsafe_execute` runs here, in the harness, on the
+  values the sandbox returned, so its special oracles, float tolerances and order of checks decide. Its process
+  guard, temp dir, I/O capture and timer are switched off (they would cripple the harness and guard nothing here)
+  and its `exec` of the program is replaced by a replay of the sandbox's outputs: no program code runs here.
+  Like EvalPlus, base and plus inputs are judged as two phases (its float atol, once on, stays on in a phase).
+- Only `evalplus.eval` is imported (numpy, psutil); never `evalplus.data`, which downloads data sets and imports
+  `datasets`. The package's other requirements (LLM API clients, transformers, tree-sitter) serve its code
+  generation, so it is installed with `pip install --no-deps evalplus==0.3.1`.
+Expected outputs: the canonical solution run on each input in the sandbox (EvalPlus's `trusted_exec` runs it
+in-process), cached in memory and as JSON under `~/.cache/mbd/evalplus` unless disabled; `out is not None` for
+EvalPlus's not-None tasks, as EvalPlus stores them.
+Time limits: EvalPlus's max(DEFAULT_MIN_TIME_LIMIT, DEFAULT_GT_TIME_LIMIT_FACTOR * reference time) per input, on
+CPU time rather than wall time so that a loaded machine (2 shared cores in CI) does not fail correct programs; the
+task's CPU budget is min(max_task_s, sum of limits), and a wall deadline of 3x that catches programs that sleep.
+All inputs of a task run in ONE sandboxed process, stopped at the first failure: an error or timeout at once, a
+wrong value once EvalPlus has judged it (a phase's outputs so far are re-judged from the phase start whenever
+their count reaches a power of two: EvalPlus's per-phase state stays exact for under 3x the judging work).
 Outputs too large to ship (more than MAX_SHIPPED_ITEMS elements; only Mbpp/255, a task without a special oracle,
-in the pinned data) are compared inside the sandbox against a fresh run of the canonical solution with plain `==`.
+in the pinned data) are compared inside the sandbox against a fresh run of the canonical solution with `==`.
 """
 
 from __future__ import annotations
@@ -112,6 +109,7 @@ def evalplus_first_rejected(flavor: Flavor, entry_point: str, inputs: list[Any],
     if replayed == 0:
         raise RuntimeError(f"EvalPlus's judge failed before the first output of {entry_point}")
     return replayed - 1
+
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("MBD_CACHE_DIR", Path.home() / ".cache" / "mbd")) / "evalplus"
