@@ -1,58 +1,114 @@
-"""EvalPlus pass@1 scoring for HumanEval+ and MBPP+ (differential testing).
+"""HumanEval+ and MBPP+ pass@1 (EvalPlus differential testing): our sandbox runs the program, EvalPlus judges.
 
-The datasets hold inputs only. The expected output of each input is what the canonical solution
-returns on it, computed once in the sandbox and cached (in memory, and as JSON under
-`~/.cache/mbd/evalplus` unless disabled). A candidate passes iff it matches on every base AND plus
-input, with EvalPlus's comparison rules (re-implemented from their documented semantics):
-- exact `==`, else, when a tolerance applies, same type, same length and `np.allclose(rtol=1e-7, atol)`;
-  an `atol` of 0 becomes 1e-6 once a float-valued expected output is met (and stays so for the
-  rest of that base/plus phase, as in EvalPlus);
-- HumanEval/32 `find_zero`: |poly(xs, out)| <= atol instead of matching the reference root;
-- MBPP+ special oracles: set equality for 8 tasks, not-None for 3 (expected stores `out is not None`),
-  custom recomputation for Mbpp/558 `digit_distance_nums` and Mbpp/581 `surface_Area`.
-Per-input time limit: max(min_time_limit_s, time_limit_factor * reference time), like EvalPlus but
-on CPU time rather than wall time, so that a loaded machine (2 shared cores in CI) does not fail
-correct programs; the task's CPU budget is min(max_task_s, sum of limits) and a wall deadline of
-3x that catches programs that sleep. All inputs of a task run in ONE sandboxed process, which stops
-at the first failure.
-Outputs too large to ship (more than MAX_SHIPPED_ITEMS elements; only Mbpp/255 in the pinned data)
-are compared inside the sandbox against a fresh run of the canonical solution with plain `==`.
+- The program runs ONLY in our sandbox (`code_exec.run_calls`: bubblewrap, rlimits, audit hooks), never under
+  EvalPlus's in-process `reliability_guard`, which by its own docstring is not a security sandbox.
+- The verdict is the `evalplus` package's, pinned to EVALPLUS_VERSION (the release of the data versions under
+  ../shared/data, HumanEval+ v0.1.10 and MBPP+ v0.2.0): its `unsafe_execute` runs here, in the harness, on the
+  values the sandbox returned, so its special oracles, float tolerances and order of checks decide. Its process
+  guard, temp dir, I/O capture and timer are switched off (they would cripple the harness and guard nothing here)
+  and its `exec` of the program is replaced by a replay of the sandbox's outputs: no program code runs here.
+  Like EvalPlus, base and plus inputs are judged as two phases (its float atol, once on, stays on in a phase).
+- Only `evalplus.eval` is imported (numpy, psutil); never `evalplus.data`, which downloads data sets and imports
+  `datasets`. The package's other requirements (LLM API clients, transformers, tree-sitter) serve its code
+  generation, so it is installed with `pip install --no-deps evalplus==0.3.1`.
+Expected outputs: the canonical solution run on each input in the sandbox (EvalPlus's `trusted_exec` runs it
+in-process), cached in memory and as JSON under `~/.cache/mbd/evalplus` unless disabled; `out is not None` for
+EvalPlus's not-None tasks, as EvalPlus stores them.
+Time limits: EvalPlus's max(DEFAULT_MIN_TIME_LIMIT, DEFAULT_GT_TIME_LIMIT_FACTOR * reference time) per input, on
+CPU time rather than wall time so that a loaded machine (2 shared cores in CI) does not fail correct programs; the
+task's CPU budget is min(max_task_s, sum of limits), and a wall deadline of 3x that catches programs that sleep.
+All inputs of a task run in ONE sandboxed process, stopped at the first failure: an error or timeout at once, a
+wrong value once EvalPlus has judged it (a phase's outputs so far are re-judged from the phase start whenever
+their count reaches a power of two: EvalPlus's per-phase state stays exact for under 3x the judging work).
+Outputs too large to ship (more than MAX_SHIPPED_ITEMS elements; only Mbpp/255, a task without a special oracle,
+in the pinned data) are compared inside the sandbox against a fresh run of the canonical solution with `==`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import math
 import os
 import threading
+import types
+from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from mbd.eval.code_exec import CallOutput, Opaque, SandboxLimits, decode_value, encode_value, run_calls, run_check
 
-Flavor = Literal["humaneval", "mbpp"]
+Flavor = Literal["humaneval", "mbpp"]  # EvalPlus's `dataset` names
 
-MBPP_SET_EQ_ENTRY_POINTS = frozenset({
-    "similar_elements",  # Mbpp/2
-    "find_char_long",  # Mbpp/7
-    "common_in_nested_lists",  # Mbpp/111
-    "extract_singly",  # Mbpp/140
-    "larg_nnum",  # Mbpp/232
-    "intersection_array",  # Mbpp/249
-    "find_dissimilar",  # Mbpp/579
-    "Diff",  # Mbpp/769
-})
-MBPP_NOT_NONE_ENTRY_POINTS = frozenset({"check_str", "text_match_three", "text_starta_endb"})  # Mbpp/737, 787, 794
-FLOAT_ATOL_DEFAULT = 1e-6
-RTOL = 1e-7
+EVALPLUS_VERSION = "0.3.1"
 REFERENCE_INPUT_LIMIT_S = 30.0  # generous: the canonical solutions are trusted (Mbpp/599 needs ~5 s per input)
 # Outputs with more elements than this are not shipped between processes (Mbpp/255 returns 1.7M tuples
 # of 77 strings): the sandbox recomputes the reference for those inputs and compares with `==` there.
 MAX_SHIPPED_ITEMS = 4_000_000
+# Stands in for both the output and the expected value of an input compared inside the sandbox (equal only to
+# itself, never floats), so EvalPlus's exact-match path accepts it.
+_MATCHED_IN_SANDBOX = object()
+
+
+@lru_cache(maxsize=1)
+def evalplus_eval() -> types.ModuleType:
+    """`evalplus.eval`, imported on first use: only code benchmarks need the package."""
+    try:
+        import evalplus
+        import evalplus.eval
+    except ImportError as e:
+        raise ImportError(f"HumanEval+/MBPP+ scoring needs EvalPlus: pip install --no-deps "
+                          f"evalplus=={EVALPLUS_VERSION} ({e})") from e
+    if evalplus.__version__ != EVALPLUS_VERSION:
+        raise ImportError(f"evalplus {evalplus.__version__} is installed, the scorer is pinned to {EVALPLUS_VERSION}: "
+                          f"pip install --no-deps evalplus=={EVALPLUS_VERSION}")
+    return evalplus.eval
+
+
+@lru_cache(maxsize=1)
+def _evalplus_judge() -> Callable[..., None]:
+    """EvalPlus's `unsafe_execute` with the parts that execute or guard a program rebound to no-ops and a replay."""
+    ev = evalplus_eval()
+    off = contextlib.nullcontext
+    rebound: dict[str, Any] = {
+        "reliability_guard": lambda **_kw: None, "query_maximum_memory_bytes": lambda: None,
+        "create_tempdir": off, "swallow_io": off, "time_limit": lambda _s: off(),
+        # where EvalPlus execs the program, install the replay: `code` is a {entry_point: replay} namespace
+        "exec": lambda code, namespace: namespace.update(code)}
+    missing = set(rebound) - set(ev.unsafe_execute.__code__.co_names)
+    if missing:  # the guard would run in (and wreck) this process, or the program text would be exec'd
+        raise RuntimeError(f"evalplus.eval.unsafe_execute no longer calls {sorted(missing)}; re-check the pin")
+    return types.FunctionType(ev.unsafe_execute.__code__, {**vars(ev), **rebound}, "evalplus_judge")
+
+
+def evalplus_first_rejected(flavor: Flavor, entry_point: str, inputs: list[Any], outputs: list[Any],
+                            expected: list[Any], atol: float) -> int | None:
+    """EvalPlus's verdict on one phase's outputs: the index of the first one it rejects, or None if it accepts all.
+
+    Read from its status and from how far the replay got, not from its pass count: in 0.3.1 the HumanEval/32
+    (`find_zero`) oracle `continue`s past that count, so EvalPlus's own `untrusted_check` fails every find_zero
+    program (fixed upstream after the release).
+    """
+    ev = evalplus_eval()
+    replayed = 0
+
+    def replay(*_args: Any) -> Any:
+        nonlocal replayed
+        replayed += 1
+        return outputs[replayed - 1]
+
+    n = len(outputs)
+    stat, progress = types.SimpleNamespace(value=ev._UNKNOWN), types.SimpleNamespace(value=0)
+    _evalplus_judge()(flavor, entry_point, {entry_point: replay}, inputs[:n], expected[:n], [0.0] * n, atol,
+                      True, stat, [False] * n, progress)  # fast_check: stop at the first rejection
+    if stat.value == ev._SUCCESS:
+        return None
+    if replayed == 0:
+        raise RuntimeError(f"EvalPlus's judge failed before the first output of {entry_point}")
+    return replayed - 1
 
 
 def default_cache_dir() -> Path:
@@ -77,8 +133,6 @@ class CodeTests(BaseModel):
 class CodeScoringConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    min_time_limit_s: float = 1.0  # EvalPlus DEFAULT_MIN_TIME_LIMIT
-    time_limit_factor: float = 4.0  # EvalPlus DEFAULT_GT_TIME_LIMIT_FACTOR
     max_task_s: float = 120.0  # CPU cap for one task (EvalPlus: 60 s for base plus 60 s for plus)
     memory_bytes: int = 4 << 30
     max_plus_inputs: int | None = Field(None, ge=0, description="subsample plus inputs (evenly spaced) for quick runs")
@@ -122,35 +176,55 @@ class CodeScorer:
     def check(self, program: str, tests: CodeTests) -> CodeVerdict:
         if tests.check_program is not None:
             return self._check_program(program, tests)
+        ev = evalplus_eval()  # re-exports evalplus.config's time-limit defaults
         inputs, n_base = self.inputs(tests)
         expected = self.expected(tests)
-        limits = [max(self.config.min_time_limit_s, self.config.time_limit_factor * t) for t in expected.times]
-        oracle = _Oracle(tests)
         in_sandbox = set(expected.in_sandbox)
+        wanted = [_MATCHED_IN_SANDBOX if i in in_sandbox else v for i, v in enumerate(expected.outputs)]
+        limits = [max(ev.DEFAULT_MIN_TIME_LIMIT, ev.DEFAULT_GT_TIME_LIMIT_FACTOR * t) for t in expected.times]
+        outputs: list[Any] = []  # outputs[i] is what input i returned, in order
         failure: list[str] = []
-        passed = 0
+        passed = 0  # inputs EvalPlus has accepted
+
+        def phase(i: int) -> tuple[str, int, int]:
+            return ("base", 0, n_base) if i < n_base else ("plus", n_base, len(inputs))
+
+        def judge(start: int) -> bool:
+            """EvalPlus's verdict on the outputs of the phase starting at `start` received so far."""
+            nonlocal passed
+            bad = evalplus_first_rejected(tests.flavor, tests.entry_point, inputs[start:], outputs[start:],
+                                          wanted[start:], tests.atol)
+            if bad is None:
+                passed = len(outputs)
+                return True
+            i = passed = start + bad
+            failure.append(f"{phase(i)[0]} input #{i}: wrong output {_short(outputs[i])} "
+                           f"(expected {_short(wanted[i])})")
+            return False
 
         def on_output(out: CallOutput) -> bool:
-            nonlocal passed
             i = out.index
-            phase = "base" if i < n_base else "plus"
-            if i == n_base:
-                oracle.new_phase()
+            name, start, end = phase(i)
             if out.timed_out:
-                failure.append(f"{phase} input #{i} exceeded its {limits[i]:.2f}s time limit")
+                problem = f"exceeded its {limits[i]:.2f}s time limit"
             elif out.error is not None:
-                failure.append(f"{phase} input #{i} raised {out.error}")
+                problem = f"raised {out.error}"
             elif i in in_sandbox and not out.matches_reference:
-                failure.append(f"{phase} input #{i}: wrong output (compared in the sandbox)")
-            elif out.too_large:
-                failure.append(f"{phase} input #{i}: output has more than {MAX_SHIPPED_ITEMS} elements")
-            elif i not in in_sandbox and not oracle.matches(inputs[i], out.value, expected.outputs[i]):
-                failure.append(f"{phase} input #{i}: wrong output {_short(out.value)} "
-                               f"(expected {_short(expected.outputs[i])})")
+                problem = "gave a wrong output (compared in the sandbox)"
+            elif out.too_large and i not in in_sandbox:
+                problem = f"output has more than {MAX_SHIPPED_ITEMS} elements"
             else:
-                passed += 1
-                return True
-            return False
+                problem = None
+                outputs.append(_MATCHED_IN_SANDBOX if i in in_sandbox else out.value)
+            count = len(outputs) - start
+            # judge what came before a failed call first, so that the first failure in order is the one reported
+            due = count > 0 and (problem is not None or count == end - start or count & (count - 1) == 0)
+            if due and not judge(start):
+                return False
+            if problem is not None:
+                failure.append(f"{name} input #{i} {problem}")
+                return False
+            return True
 
         cpu = min(self.config.max_task_s, sum(limits)) + sum(expected.times[i] for i in in_sandbox) + 2.0
         result = run_calls(program, tests.entry_point, inputs, limits, on_output, self._limits(cpu),
@@ -206,11 +280,8 @@ class CodeScorer:
         if problems or result.status != "passed":
             raise RuntimeError(f"{tests.task_id}: the canonical solution failed "
                                f"({problems[0] if problems else result.detail}); the sandbox or the data is broken")
-        if in_sandbox and (tests.atol or tests.entry_point in MBPP_SET_EQ_ENTRY_POINTS | MBPP_NOT_NONE_ENTRY_POINTS
-                           or tests.entry_point in ("find_zero", "surface_Area", "digit_distance_nums")):
-            raise RuntimeError(f"{tests.task_id}: outputs too large to ship on a task with a special oracle")
-        if tests.flavor == "mbpp" and tests.entry_point in MBPP_NOT_NONE_ENTRY_POINTS:
-            outputs = [v is not None for v in outputs]
+        if tests.flavor == "mbpp" and tests.entry_point in evalplus_eval().MBPP_OUTPUT_NOT_NONE_TASKS:
+            outputs = [v is not None for v in outputs]  # as EvalPlus's get_groundtruth stores them
         elif any(isinstance(v, Opaque) for v in outputs):
             raise RuntimeError(f"{tests.task_id}: the canonical solution returned a value the codec cannot carry")
         return _Expected(outputs=outputs, times=times, in_sandbox=in_sandbox)
@@ -223,74 +294,6 @@ class CodeScorer:
 
     def _limits(self, cpu_s: float) -> SandboxLimits:
         return SandboxLimits(wall_s=3 * cpu_s + 5.0, cpu_s=cpu_s, memory_bytes=self.config.memory_bytes)
-
-
-class _Oracle:
-    """EvalPlus's output comparison for one task, including its per-phase sticky float tolerance."""
-
-    def __init__(self, tests: CodeTests):
-        self.flavor, self.entry_point, self.base_atol = tests.flavor, tests.entry_point, tests.atol
-        self.atol = tests.atol
-
-    def new_phase(self) -> None:
-        self.atol = self.base_atol
-
-    def matches(self, inp: Any, out: Any, exp: Any) -> bool:
-        try:
-            return self._matches(inp, out, exp)
-        except Exception:  # noqa: BLE001 - a comparison that raises (e.g. ambiguous array truth) is a mismatch
-            return False
-
-    def _matches(self, inp: Any, out: Any, exp: Any) -> bool:
-        ep = self.entry_point
-        if self.flavor == "humaneval" and ep == "find_zero":
-            return abs(_poly(*inp, out)) <= self.atol
-        exact = out == exp
-        if self.flavor == "mbpp":
-            if ep == "surface_Area":
-                exact = exact or abs(out - _surface_area(*inp)) <= self.atol
-            elif ep == "digit_distance_nums":
-                exact = exact or out == _digit_distance_nums(*inp)
-            elif ep in MBPP_SET_EQ_ENTRY_POINTS:
-                exact = set(out) == set(exp)
-            elif ep in MBPP_NOT_NONE_ENTRY_POINTS:
-                exact = out == exp if isinstance(out, bool) else exp == (out is not None)
-        if self.atol == 0 and _is_floats(exp):
-            self.atol = FLOAT_ATOL_DEFAULT
-        if not exact and self.atol != 0:
-            if type(out) is not type(exp):
-                return False
-            if isinstance(exp, (list, tuple)) and len(out) != len(exp):
-                return False
-            return bool(np.allclose(out, exp, rtol=RTOL, atol=self.atol))
-        return bool(exact)
-
-
-def _is_floats(x: Any) -> bool:
-    """A float, a non-empty list/tuple of floats, or a float ndarray (where EvalPlus applies atol)."""
-    if isinstance(x, float):
-        return True
-    if isinstance(x, (list, tuple)) and x:
-        return all(isinstance(v, float) for v in x)
-    return isinstance(x, np.ndarray) and x.dtype in (np.float64, np.float32)
-
-
-def _poly(xs: list, x: float) -> float:
-    """HumanEval/32: the polynomial with coefficients xs evaluated at x."""
-    return sum(c * math.pow(x, i) for i, c in enumerate(xs))
-
-
-def _surface_area(base_edge: float, height: float) -> int:
-    """Mbpp/581 oracle: square pyramid surface with `height` read as the perpendicular height."""
-    slant = math.sqrt((base_edge / 2) ** 2 + height**2)
-    return round(base_edge**2 + 2 * base_edge * slant)
-
-
-def _digit_distance_nums(a: int, b: int) -> int:
-    """Mbpp/558 oracle: sum of per-digit differences after zero-padding to equal length."""
-    sa, sb = str(a), str(b)
-    width = max(len(sa), len(sb))
-    return sum(abs(int(x) - int(y)) for x, y in zip(sa.zfill(width), sb.zfill(width)))
 
 
 def _short(v: Any, limit: int = 120) -> str:

@@ -1,5 +1,13 @@
-"""EvalPlus semantics: differential testing, tolerances, special oracles, caching, real tasks."""
+"""EvalPlus semantics: differential testing, tolerances, special oracles, caching, real tasks; the verdicts come
+from the pinned evalplus package, judged in the harness, while the programs run only in the sandbox."""
 
+import builtins
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -7,7 +15,14 @@ import pytest
 
 from mbd.eval import code_scoring
 from mbd.eval.benchmarks import HumanEvalPlus, MbppPlus, resolve_data_dir
-from mbd.eval.code_scoring import CodeScorer, CodeScoringConfig, CodeTests, select_plus_inputs
+from mbd.eval.code_scoring import (
+    EVALPLUS_VERSION,
+    CodeScorer,
+    CodeScoringConfig,
+    CodeTests,
+    evalplus_first_rejected,
+    select_plus_inputs,
+)
 
 
 @pytest.fixture
@@ -80,6 +95,112 @@ def test_mbpp_custom_oracles(scorer):
     assert scorer.check(
         "def digit_distance_nums(a, b):\n    w = max(len(str(a)), len(str(b)))\n"
         "    return sum(abs(int(x) - int(y)) for x, y in zip(str(a).zfill(w), str(b).zfill(w)))", t).passed
+
+
+def test_a_wrong_value_stops_the_run_once_evalplus_has_judged_it(scorer, monkeypatch):
+    delivered = []
+    real = code_scoring.run_calls
+
+    def counting(program, entry_point, inputs, limits, on_output, *args, **kwargs):
+        return real(program, entry_point, inputs, limits, lambda out: delivered.append(out.index) or on_output(out),
+                    *args, **kwargs)
+
+    t = _tests("def f(x):\n    return x", "f", [[i] for i in range(64)])
+    scorer.expected(t)
+    monkeypatch.setattr(code_scoring, "run_calls", counting)
+    v = scorer.check("def f(x):\n    return -1 if x == 2 else x", t)
+    # outputs are judged when a phase has 1, 2, 4, 8, ... of them: input #2 is caught with the 4th output
+    assert not v.passed and v.detail.startswith("base input #2: wrong output -1 (expected 2); 2/64 inputs passed")
+    assert delivered == [0, 1, 2, 3]
+
+
+def test_the_first_failure_in_order_is_reported(scorer):
+    t = _tests("def f(x):\n    return x", "f", [[i] for i in range(8)])
+    v = scorer.check("def f(x):\n    return -1 if x == 4 else x if x < 5 else 1 / 0", t)  # #4 unjudged when #5 raises
+    assert v.detail.startswith("base input #4: wrong output -1 (expected 4); 4/8 inputs passed")
+
+
+def test_programs_never_run_in_the_harness_and_evalplus_guard_never_does(scorer):
+    """EvalPlus's reliability_guard would null os.kill, builtins.open, shutil.rmtree, ... and cap RLIMIT_AS in
+    the process that judges; the program's top-level code would set the variable if it ran here."""
+    saved = (os.kill, os.chdir, os.getcwd(), builtins.open, builtins.exit, shutil.rmtree, subprocess.Popen,
+             resource.getrlimit(resource.RLIMIT_AS), os.environ.get("OMP_NUM_THREADS"))
+    t = _tests("def f(x):\n    return x / 3", "f", [[1.0], [2.0]], [[3.0]])
+    program = "import os\nos.environ['MBD_PROGRAM_RAN_HERE'] = '1'\ndef f(x):\n    return x / 3"
+    assert scorer.check(program, t).passed
+    assert not scorer.check(program.replace("x / 3", "x / 4"), t).passed
+    assert "MBD_PROGRAM_RAN_HERE" not in os.environ
+    assert saved == (os.kill, os.chdir, os.getcwd(), builtins.open, builtins.exit, shutil.rmtree, subprocess.Popen,
+                     resource.getrlimit(resource.RLIMIT_AS), os.environ.get("OMP_NUM_THREADS"))
+
+
+# (flavor, entry point, atol, inputs, outputs, expected) as Python source: one case per EvalPlus rule
+JUDGE_CASES = [
+    ("mbpp", "f", 0.0, "[[1], [2]]", "[1, 3]", "[1, 2]"),  # exact ==
+    ("mbpp", "f", 0.0, "[[1], [2]]", "[1/3 + 1e-9, 0.5]", "[1/3, 0.5]"),  # float outputs: atol 1e-6
+    ("mbpp", "f", 0.0, "[[1]]", "[1/3 + 1e-4]", "[1/3]"),
+    ("mbpp", "f", 0.0, "[[1]]", "[__import__('numpy').float64(1.5000001)]", "[1.5]"),  # types must agree
+    ("mbpp", "f", 0.0, "[[1], [2]]", "[0.5, [1, 2.0000001]]", "[0.5, [1, 2]]"),  # atol stays on in the phase
+    ("mbpp", "f", 0.0, "[[1], [2]]", "[[1, 2.0000001], 0.5]", "[[1, 2], 0.5]"),  # ... but not before
+    ("mbpp", "f", 1e-4, "[[1]]", "[1.00005]", "[1.0]"),  # the task's atol
+    ("mbpp", "f", 0.0, "[[1]]", "[float('nan')]", "[float('nan')]"),
+    ("mbpp", "f", 0.0, "[[1]]", "[__import__('numpy').array([1.0, 2.0])]", "[__import__('numpy').array([1.0, 2.0])]"),
+    ("humaneval", "find_zero", 1e-4, "[[[-6, 11, -6, 1]], [[-6, 11, -6, 1]]]", "[3.0, 2.5]", "[1.0, 1.0]"),
+    ("humaneval", "find_zero", 1e-4, "[[[-6, 11, -6, 1]], [[-6, 11, -6, 1]]]", "[3.0, 1.0]", "[1.0, 1.0]"),
+    ("mbpp", "similar_elements", 0.0, "[[(3, 4), (4, 5)], [(1,), (1,)]]", "[[5, 4], (2,)]", "[(4, 5), (1,)]"),
+    ("mbpp", "text_match_three", 0.0, "[['abbb'], ['ac'], ['b']]", "['abbb', None, 'x']", "[True, False, False]"),
+    ("mbpp", "text_match_three", 0.0, "[['abbb'], ['ac']]", "[True, False]", "[True, False]"),
+    ("mbpp", "surface_Area", 0.0, "[[3, 4], [3, 4]]", "[35, 1]", "[0, 0]"),
+    ("mbpp", "digit_distance_nums", 0.0, "[[123, 256], [123, 256]]", "[7, 6]", "[-1, -1]"),
+    ("mbpp", "are_equivalent", 0.0, "[[1, 2]]", "[False]", "[True]"),
+    ("mbpp", "sum_div", 0.0, "[[8], [8]]", "[0, 4]", "[5, 5]"),
+    ("humaneval", "similar_elements", 0.0, "[[(3, 4), (4, 5)]]", "[[5, 4]]", "[(4, 5)]"),  # MBPP oracles: MBPP only
+]
+
+_EVALPLUS_OWN_CHECK = """
+import json, sys
+from evalplus.eval import untrusted_check
+verdicts = []
+for flavor, entry_point, atol, inputs, outputs, expected in json.loads(sys.stdin.read()):
+    replay = f"_outputs = iter({outputs})\\ndef {entry_point}(*args):\\n    return next(_outputs)\\n"
+    stat, details = untrusted_check(flavor, replay, eval(inputs), entry_point, eval(expected), atol,
+                                    [0.01] * len(eval(inputs)), fast_check=True)
+    verdicts.append(None if stat == "pass" else (list(details) + [False]).index(False))
+print(json.dumps(verdicts))
+"""
+
+
+def test_the_judge_agrees_with_evalplus_own_untrusted_check():
+    """The rebound judge gives EvalPlus's verdict: EvalPlus itself (its forked, guarded child) runs a trusted
+    replay of the same outputs in a separate interpreter."""
+    own = subprocess.run([sys.executable, "-c", _EVALPLUS_OWN_CHECK], input=json.dumps(JUDGE_CASES), text=True,
+                         check=False, capture_output=True, timeout=120, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    assert own.returncode == 0, own.stderr
+    theirs = json.loads(own.stdout)
+    ours = [evalplus_first_rejected(flavor, ep, eval(inp), eval(out), eval(exp), atol)
+            for flavor, ep, atol, inp, out, exp in JUDGE_CASES]
+    find_zero = [i for i, case in enumerate(JUDGE_CASES) if case[1] == "find_zero"]
+    # 0.3.1's untrusted_check fails every find_zero program, a perfect root included (its pass count misses them)
+    assert [theirs[i] for i in find_zero] == [0, 0]
+    others = [i for i in range(len(JUDGE_CASES)) if i not in find_zero]
+    assert [ours[i] for i in others] == [theirs[i] for i in others]
+    # and the rules the cases were written for hold
+    assert ours == [1, None, 0, 0, None, 0, None, 0, 0, 1, None, 1, 2, None, 1, 1, None, 1, 0]
+
+
+def test_only_light_evalplus_modules_are_imported():
+    """`pip install --no-deps evalplus` suffices: judging imports evalplus.eval (numpy, psutil), never
+    evalplus.data (which downloads data sets and imports `datasets`)."""
+    probe = ("import json, sys; from mbd.eval.code_scoring import evalplus_eval; before = set(sys.modules); "
+             "import evalplus; evalplus_eval(); new = {m.split('.')[0] for m in set(sys.modules) - before}; "
+             "print(json.dumps([evalplus.__version__, sorted(m for m in new - sys.stdlib_module_names "
+             "if not m.startswith('_')), 'evalplus.data' in sys.modules]))")  # _sysconfigdata*, __mp_main__
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False,
+                         env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    version, packages, data_imported = json.loads(out.stdout)
+    assert version == EVALPLUS_VERSION and not data_imported
+    assert "evalplus" in packages and set(packages) <= {"evalplus", "numpy", "psutil"}, packages
 
 
 def test_outputs_too_large_to_ship_are_compared_in_the_sandbox(scorer, monkeypatch):
