@@ -15,7 +15,7 @@ changes, before the next forward reads it.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -32,7 +32,7 @@ class CacheManager:
     def __init__(self, cache: KVCache, prefix_caching: bool = True):
         self.cache, self.page, self.prefix_caching = cache, cache.page_size, prefix_caching
         self.ref = [0] * cache.num_pages
-        self.free: deque[int] = deque(p for p in range(cache.num_pages) if p != SCRATCH)
+        self.free: dict[int, None] = dict.fromkeys(p for p in range(cache.num_pages) if p != SCRATCH)  # ordered set
         self.cached: OrderedDict[int, None] = OrderedDict()  # registered pages no row holds, least recent first
         self.key: dict[int, tuple[int, tuple[int, ...]]] = {}  # registered page -> (hash, tokens)
         self.by_hash: dict[int, int] = {}
@@ -92,7 +92,8 @@ class CacheManager:
             if self.ref[p] == 0:
                 del self.cached[p]
             self.ref[p] += 1
-        self.tables[row] = [p for p, _ in hits] + [self._alloc() for _ in range(fresh)]
+        self.tables[row] = [p for p, _ in hits]
+        self.tables[row] += [self._alloc(row, len(hits) + i) for i in range(fresh)]
         self.hashes[row] = [h for _, h in hits]
         self._upload(row)
         h = hits[-1][1] if hits else None
@@ -109,7 +110,8 @@ class CacheManager:
             return True
         if n > self.available():
             return False
-        self.tables[row] += [self._alloc() for _ in range(n)]
+        have = len(self.tables[row])
+        self.tables[row] += [self._alloc(row, have + i) for i in range(n)]
         self._upload(row)
         return True
 
@@ -137,21 +139,40 @@ class CacheManager:
                 if p in self.key:
                     self.cached[p] = None
                 else:
-                    self.free.append(p)
+                    self.free[p] = None
         self.tables[row], self.hashes[row] = [], []
         for h in [h for h, r in self.inflight.items() if r == row]:
             del self.inflight[h]
         self._upload(row)
 
-    def _alloc(self) -> int:
-        if self.free:
-            p = self.free.popleft()
-        else:  # evict the least recently released cached page
+    def at_home(self, rows: int) -> bool:
+        """Whether rows [0, rows) map only their home pages (the cache then reads them without a gather)."""
+        c = self.cache
+        return c.homes and all(p == c.home(r, j) for r in range(rows) for j, p in enumerate(self.tables[r]))
+
+    def _alloc(self, row: int, j: int) -> int:
+        """A page for logical page j of `row`: its home page if free, else the first free page; with none free, a
+        cached page is evicted: the home page if cached, else the least recently released one."""
+        home = self.cache.home(row, j) if self.cache.homes else None
+        if home in self.free:
+            p = home
+            del self.free[p]
+        elif self.free:
+            p = next(iter(self.free))
+            del self.free[p]
+        elif home in self.cached:
+            p = home
+            del self.cached[p]
+            self._forget(p)
+        else:
             p, _ = self.cached.popitem(last=False)
-            h, _ = self.key.pop(p)
-            del self.by_hash[h]
+            self._forget(p)
         self.ref[p] = 1
         return p
+
+    def _forget(self, page: int) -> None:
+        h, _ = self.key.pop(page)
+        del self.by_hash[h]
 
     def _upload(self, row: int) -> None:
         t = self.tables[row]

@@ -332,7 +332,7 @@ class Engine:
         chunks = self._chunks()
 
         span = self.runner.span(max(r.cache_len for _, r in running), S)
-        logits, idx = self.runner.forward(b, S, span, A, [c for _, c in chunks])
+        logits, idx = self.runner.forward(b, S, span, A, [c for _, c in chunks], self.kv.at_home(b))
         tokens = buf.tokens[:b, :Q]
         parts, t2t, conf = [], None, None
         has_t2t = any(r.params.tau_t2t is not None for _, r in running)

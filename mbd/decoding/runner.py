@@ -122,10 +122,10 @@ class ModelRunner:
         """Key span of a forward of `slots` slots whose longest row has `max_committed` committed tokens."""
         return span_bucket(max_committed + slots * self.block, self.cache.size)
 
-    def view(self, b: int, span: int) -> KVCache:
-        key = (b, span)
+    def view(self, b: int, span: int, home: bool = False) -> KVCache:
+        key = (b, span, home)
         if key not in self._views:
-            self._views[key] = self.cache.view(0, b, span)
+            self._views[key] = self.cache.view(0, b, span, at_home=home)
         return self._views[key]
 
     def positions(self, b: int, slots: int) -> torch.Tensor:
@@ -135,13 +135,14 @@ class ModelRunner:
         """Committed lengths or resident slots changed: positions and masks must be rebuilt."""
         self._inputs.clear()
 
-    def forward(self, b: int, slots: int, span: int, active: int,
-                chunks: Sequence[PrefillChunk] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, b: int, slots: int, span: int, active: int, chunks: Sequence[PrefillChunk] = (),
+                home: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [b, active * B, V], window [b, active * B]) of the first `slots` Block Buffer slots of rows
         [0, b) against keys [0, span) (`span(...)`): logits only for each row's window of `active` slots
         starting at its first ACTIVE slot (`window`: positions in the row's buffer; static outputs under
-        graphs). `chunks`: prompt chunks of other rows computed in the same forward (eager)."""
-        key = (b, slots, span, active)
+        graphs). `chunks`: prompt chunks of other rows computed in the same forward (eager). home: rows
+        [0, b) map only their home pages (`CacheManager.at_home`), so keys are read without a gather."""
+        key = (b, slots, span, active, home)
         self.shapes[(b, slots * self.block, span)] += 1
         if chunks:
             return self._fused(key, chunks)
@@ -177,7 +178,8 @@ class ModelRunner:
         m = (kv_block <= pos // self.block) & (kv < visible.view(-1, 1, 1))
         return (m | (kv == pos)).unsqueeze(1)
 
-    def _step(self, b: int, slots: int, span: int, active: int, cached: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, b: int, slots: int, span: int, active: int, home: bool,
+              cached: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         if not cached:
             pos, mask = self._positions_and_mask(b, slots, span)
         else:  # most steps change neither lengths nor resident slots: reuse
@@ -185,21 +187,22 @@ class ModelRunner:
                 self._inputs[(b, slots, span)] = self._positions_and_mask(b, slots, span)
             pos, mask = self._inputs[(b, slots, span)]
         idx = self.window(b, slots, active)
-        logits = self.model(self.buf.tokens[:b, : slots * self.block], pos, mask, cache=self.view(b, span),
+        logits = self.model(self.buf.tokens[:b, : slots * self.block], pos, mask, cache=self.view(b, span, home),
                             logits_at=idx)
         return logits, idx
 
-    def _fused(self, key: tuple[int, int, int, int], chunks: Sequence[PrefillChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fused(self, key: tuple[int, int, int, int, bool],
+               chunks: Sequence[PrefillChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step and prompt chunks of other rows in ONE forward (chunked prefill): the linear layers
         (the weights) are read once for all tokens, attention runs per segment. A prefilling row inside the
         decode bucket is all DUMMY there; its chunk segment comes after the decode segment, so the chunk's
         K/V overwrite that row's scratch K/V at the same positions. The caller commits the chunks."""
-        b, slots, span, active = key
+        b, slots, span, active, home = key
         Q = slots * self.block
         if key[:3] not in self._inputs:
             self._inputs[key[:3]] = self._positions_and_mask(b, slots, span)
         pos, mask = self._inputs[key[:3]]
-        parts = [Segment(b, Q, self.view(b, span), mask, pos)]
+        parts = [Segment(b, Q, self.view(b, span, home), mask, pos)]
         ids, all_pos = [self.buf.tokens[:b, :Q].reshape(1, -1)], [pos.reshape(1, -1)]
         dev = pos.device
         for c in chunks:
@@ -215,20 +218,20 @@ class ModelRunner:
                             logits_at=flat_idx)
         return logits.view(b, active * self.block, logits.shape[-1]), idx
 
-    def _capture(self, b: int, slots: int, span: int,
-                 active: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
+    def _capture(self, b: int, slots: int, span: int, active: int,
+                 home: bool) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
         # Warm-up runs only rewrite scratch K/V (positions >= lengths), which every forward rewrites anyway.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step(b, slots, span, active)
+                self._step(b, slots, span, active, home)
         torch.cuda.current_stream().wait_stream(side)
         # Each bucket gets its own memory pool: buckets are captured lazily in any order and replayed in any
         # order, so a shared pool could hand one graph's static output to another graph's scratch.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._step(b, slots, span, active)
+            out = self._step(b, slots, span, active, home)
         return graph, out
 
     def prefill(self, row: int, ids: list[int], start: int = 0) -> None:

@@ -53,6 +53,10 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.page_table = torch.full((rows, self.pages_per_row + 1), SCRATCH, dtype=torch.long, device=device)
+        # a pool with room for every row at full size gives row r "home" pages 1 + r * pages_per_row + j: while
+        # the rows a forward reads map only home pages, `read` is a strided view instead of a gather
+        self.homes = self.num_pages >= 1 + rows * self.pages_per_row
+        self.row0, self.all_rows, self.at_home = 0, rows, False
         if identity:
             self.page_table[:, :-1] = 1 + torch.arange(rows * self.pages_per_row, device=device).view(rows, -1)
 
@@ -63,16 +67,24 @@ class KVCache:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * cfg.num_hidden_layers * page_size * heads * cfg.head_dim * elem
 
-    def view(self, start: int, stop: int, span: int | None = None) -> "KVCache":
+    def home(self, row: int, j: int) -> int:
+        """Row `row`'s home page for logical page j (pools with `homes` only)."""
+        return 1 + row * self.pages_per_row + j
+
+    def view(self, start: int, stop: int, span: int | None = None, at_home: bool = False) -> "KVCache":
         """A cache over rows [start, stop) sharing storage and page table (writes and commits land in this
         cache) whose `read` returns keys [0, span) only: a smaller batch bucket runs against the front rows,
-        and a short live prefix against a short key range, without copying the table."""
+        and a short live prefix against a short key range, without copying the table. at_home: the caller
+        knows every page these rows have mapped is their home page, so reads need no gather."""
         span = self.size if span is None else span
         if not 0 < span <= self.size:
             raise ValueError(f"span={span} must be in (0, {self.size}]")
+        if at_home and not self.homes:
+            raise ValueError("at_home needs a pool with a home for every row")
         v = KVCache.__new__(KVCache)
         v.__dict__.update(self.__dict__)
         v.lengths, v.page_table, v.span = self.lengths[start:stop], self.page_table[start:stop], span
+        v.row0, v.at_home = self.row0 + start, at_home
         return v
 
     @property
@@ -87,8 +99,14 @@ class KVCache:
             pool[layer].flatten(0, 1).index_copy_(0, slots, x.transpose(1, 2).flatten(0, 1))
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V [b, kvh, span, d] of every row, gathered page by page through the table: the key range a mask
-        over `span` keys addresses."""
+        """K/V [b, kvh, span, d] of every row, gathered page by page through the table (or, at home, viewed in
+        place: a position a row has not mapped then shows whatever its home page holds, which the caller's
+        mask hides just as it hides the scratch page): the key range a mask over `span` keys addresses."""
+        if self.at_home:
+            rows = slice(self.row0, self.row0 + self.rows)
+            return tuple(x[layer][1: 1 + self.all_rows * self.pages_per_row]
+                         .view(self.all_rows, self.pages_per_row * self.page_size, *x.shape[-2:])[rows, : self.span]
+                         .transpose(1, 2) for x in (self.k, self.v))
         pages = self.page_table[:, : -(-self.span // self.page_size)]
         b, n = pages.shape
         flat = pages.flatten()  # index_select copies whole pages: several times faster than advanced indexing on CPU

@@ -177,3 +177,27 @@ def test_a_memory_fraction_sizes_the_pool(monkeypatch):
     assert cache.num_pages == 5_000_000 // page and cache.nbytes() <= 5_000_000
     with pytest.raises(ValueError, match="not both"):
         EngineSpec(path="mbd/assets/tiny", kv_cache_bytes=1 << 20, kv_cache_fraction=0.5)
+
+
+def test_reads_at_home_equal_gathered_reads():
+    """A default pool gives each row home pages: while a batch maps only those, keys are a view, not a gather,
+    and the logits are the gathered ones exactly; a shared prefix page takes the batch off that path."""
+    model, _ = tempered_model("sdar")
+    eng = Engine(model, None, dcfg(buffer_size=3), max_batch_slots=2)
+    for p in (list(range(3, 30)), list(range(30, 47))):
+        eng.add_request(p)
+    eng.step()
+    eng.step()
+    runner, kv = eng.runner, eng.kv
+    assert kv.at_home(2)
+    args = (2, 3, runner.span(int(runner.cache.lengths.max()), 3), 3)
+    with torch.inference_mode():
+        home = runner.forward(*args, home=True)[0].clone()
+        gathered = runner.forward(*args, home=False)[0]
+    assert torch.equal(home, gathered)
+    eng = Engine(model, None, dcfg(buffer_size=3), max_batch_slots=2)
+    eng.generate(prompts(1))
+    eng.add_request(prompts(2)[1])  # hits the first prompt's cached pages, which live at row 0's home
+    eng.add_request(prompts(1)[0])
+    eng.step()
+    assert eng.stats.prefix_hit_tokens > 0 and not eng.kv.at_home(2)
