@@ -151,17 +151,6 @@ def save_training_checkpoint(engine, cfg: TrainConfig, mcfg: ModelConfig, step: 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def maybe_fail(cfg: TrainConfig, step: int, rank: int, world: int) -> None:
-    """Fault injection for tests: the last rank raises once at `fail_at_step` (a marker file makes it once)."""
-    if cfg.fail_at_step != step or rank != world - 1:
-        return
-    marker = Path(cfg.run.run_dir) / f".fail_at_step_{step}.done"
-    if not marker.exists():
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-        raise RuntimeError(f"fail_at_step={step}: injected worker failure (rank {rank})")
-
-
 def train_loop(config: dict[str, Any]) -> None:
     cfg = TrainConfig.model_validate(config["cfg"])
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if cfg.use_gpu else "cpu")
@@ -222,7 +211,6 @@ def train_loop(config: dict[str, Any]) -> None:
         return x
 
     for step in range(start + 1, cfg.steps + 1):
-        maybe_fail(cfg, step, rank, world)
         t0 = time.perf_counter()
         lr = float(engine.optimizer.param_groups[0]["lr"])
         stats = torch.zeros(stats_size(slots), dtype=torch.float64, device=device)
