@@ -114,8 +114,6 @@ class TrainConfig(StrictModel):
     attention: Literal["dense", "flex"] = Field(default="dense", description="dense SDPA mask or FlexAttention")
     seed: int = Field(default=0, ge=0)
     max_failures: int = Field(default=0, ge=-1, description="worker-group restarts; -1 = unlimited")
-    fail_at_step: int | None = Field(default=None, gt=0,
-                                     description="fault injection for tests: the last rank raises once at this step")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

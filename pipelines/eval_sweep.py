@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import ray
 from tqdm import tqdm
@@ -30,6 +31,7 @@ from mbd.eval.code_exec import UNSAFE_ENV, IsolationUnavailable, require_isolati
 from mbd.eval.report import SweepSummary, write_sweep_report
 from mbd.eval.sweep import (PrefixCacheRecord, ResultStore, SweepConfig, WorkQueue, check_models, load_problems,
                             load_splits, make_record, plan_units, score_completion)
+from pipelines.ray_session import ray_session
 
 UNITS_IN_FLIGHT = 2  # per worker: the next unit is queued at the actor while the driver handles the last one
 
@@ -174,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.report_only:
             summary = write_sweep_report(cfg, load_problems(cfg))
         else:
-            summary = run_sweep(cfg, progress=not args.no_progress)
+            with ray_session(Path(cfg.output_dir)):
+                summary = run_sweep(cfg, progress=not args.no_progress)
     except (ConfigError, FileNotFoundError, IsolationUnavailable) as e:
         print(f"mbd eval: {e}", file=sys.stderr)
         return 2

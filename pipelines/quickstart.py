@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import shutil
 import sys
 import time
@@ -38,6 +37,7 @@ from mbd.eval.report import CellMetrics, Curve, Method, MethodRow, comparison_li
     method_table
 from mbd.eval.sweep import ResultStore
 from mbd.multitf.schedulers import SchedulerConfig
+from pipelines.ray_session import ray_session
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
 APP_NAME = "mbd-quickstart"
@@ -195,53 +195,6 @@ def prepare_run_dir(path: Path, fresh: bool = True) -> Path:
     return path
 
 
-RAY_LOG = "ray.log"
-
-
-def route_ray_logs(handler: logging.Handler) -> None:
-    """Send the driver's Ray loggers (Ray Data's INFO lines, Ray Train, Ray Serve) to `handler` (a file) instead
-    of the console: the console shows one line per stage and the results. Worker output stays in Ray's
-    session directory (log_to_driver=False). Called before and after ray.init, which configures them."""
-    for name in ["ray"] + [n for n in logging.root.manager.loggerDict if n.startswith("ray.")]:
-        logger = logging.getLogger(name)
-        for h in list(logger.handlers):
-            if h is not handler:
-                logger.removeHandler(h)
-        logger.propagate = name != "ray"
-    if handler not in logging.getLogger("ray").handlers:
-        logging.getLogger("ray").addHandler(handler)
-
-
-@contextmanager
-def ray_session(num_cpus: int, run: Path) -> Iterator[bool]:
-    """Reuse a connected Ray, else join RAY_ADDRESS, else start a local cluster; shut down only what we started
-    (yields whether we started it). Ray's driver-side logging goes to <run>/ray.log for the session."""
-    import os
-
-    import ray
-    import ray.data  # noqa: F401  (configures its loggers on import: import now, so that they are routed too)
-
-    handler = logging.FileHandler(run / RAY_LOG)
-    handler.setLevel(logging.INFO)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    route_ray_logs(handler)
-    print(f"    Ray's driver log: {run / RAY_LOG}; worker logs: Ray's session directory "
-          f"(/tmp/ray/session_latest/logs on a local cluster)", flush=True)
-    started = not ray.is_initialized()
-    if started:
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(log_to_driver=False)
-        else:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    route_ray_logs(handler)
-    try:
-        yield started
-    finally:
-        if started:
-            ray.shutdown()
-        handler.close()
-
-
 def write_corpus(path: Path, problems: int, seed: int) -> Path:
     from mbd.tiny.task import generate, write_jsonl
 
@@ -287,8 +240,6 @@ def train_config(cfg: QuickstartConfig, run: Path, base: Path, rows_dir: str, na
 def train_stage(cfg: QuickstartConfig, run: Path, base: Path, rows_dir: str, progress: bool, **kw: Any):
     from pipelines.train_multitf import run_train
 
-    print("    first step waits for one-time work: on the first run DeepSpeed compiles its CPU op deepspeed_shm_comm "
-          "(about a minute, cached in ~/.cache/torch_extensions), then each worker loads the base", flush=True)
     summary = run_train(train_config(cfg, run, base, rows_dir, **kw), show_progress=progress)
     probes = [m["probe_loss"] for m in summary.history if "probe_loss" in m]
     print(f"    {summary.last_step} steps, loss {summary.final.get('loss', float('nan')):.4f}, probe loss "
@@ -413,7 +364,7 @@ def run_quickstart(cfg: QuickstartConfig, keep_serving: bool = False, progress: 
     run = prepare_run_dir(Path(cfg.run_dir))
     stages = Stages(STAGES if cfg.serve.enabled else STAGES[:3])
     reply = None
-    with ray_session(cfg.num_cpus, run) as own_cluster:
+    with ray_session(run, cfg.num_cpus) as own_cluster:
         import ray
 
         ray.data.DataContext.get_current().enable_progress_bars = False  # one line per stage: expand prints its summary

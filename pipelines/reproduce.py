@@ -44,8 +44,9 @@ from mbd.eval.report import Claim, Curve, MethodRow, claims_table, judge_active,
 from mbd.eval.sweep import ResultStore
 from mbd.multitf.layouts import num_layouts
 from pipelines.quickstart import (BENCHMARK, DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, QuickstartConfig, Stages,
-                                  curves_of, expand_stage, load_config, point_name, ray_session, rows_of,
-                                  section_title, sweep_config, train_stage, write_corpus)
+                                  curves_of, expand_stage, load_config, point_name, rows_of, section_title,
+                                  sweep_config, train_stage, write_corpus)
+from pipelines.ray_session import ray_session
 
 PARTS: dict[str, tuple[str, ...]] = {
     "core": ("chain",),
@@ -185,7 +186,7 @@ def run_reproduce(cfg: QuickstartConfig, run: Path, parts: Sequence[str], progre
     methods = methods_for(cfg, variants)
     sweep = sweep_config(cfg, run / "eval", models, methods)
     if not report_only:
-        with ray_session(cfg.num_cpus, run):
+        with ray_session(run, cfg.num_cpus):
             import ray
 
             ray.data.DataContext.get_current().enable_progress_bars = False  # expand prints its summary

@@ -48,6 +48,7 @@ from mbd.multitf.batching import Batch, OnTheFlyRows, StepSampler, TokenizedSequ
 from mbd.multitf.objectives import compute_objective, loss_stats, stats_metrics, stats_size
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
 from mbd.train_config import TrainConfig
+from pipelines.ray_session import ray_session
 
 POLL_S = 0.5
 SHUFFLE_BUFFER_ROWS = 4096  # rows each worker draws its Parquet micro-batches from at random
@@ -151,17 +152,6 @@ def save_training_checkpoint(engine, cfg: TrainConfig, mcfg: ModelConfig, step: 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def maybe_fail(cfg: TrainConfig, step: int, rank: int, world: int) -> None:
-    """Fault injection for tests: the last rank raises once at `fail_at_step` (a marker file makes it once)."""
-    if cfg.fail_at_step != step or rank != world - 1:
-        return
-    marker = Path(cfg.run.run_dir) / f".fail_at_step_{step}.done"
-    if not marker.exists():
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-        raise RuntimeError(f"fail_at_step={step}: injected worker failure (rank {rank})")
-
-
 def train_loop(config: dict[str, Any]) -> None:
     cfg = TrainConfig.model_validate(config["cfg"])
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if cfg.use_gpu else "cpu")
@@ -222,7 +212,6 @@ def train_loop(config: dict[str, Any]) -> None:
         return x
 
     for step in range(start + 1, cfg.steps + 1):
-        maybe_fail(cfg, step, rank, world)
         t0 = time.perf_counter()
         lr = float(engine.optimizer.param_groups[0]["lr"])
         stats = torch.zeros(stats_size(slots), dtype=torch.float64, device=device)
@@ -346,6 +335,14 @@ def follow(progress, fit_thread: threading.Thread, total: int, name: str, show: 
     return history
 
 
+def one_time_note(cfg: TrainConfig) -> str:
+    """Why the first step takes a while (a minute or more on CPU), said before the bar stands still."""
+    op = ("; on the first run on this machine DeepSpeed also compiles its CPU op deepspeed_shm_comm (about a "
+          "minute, cached in ~/.cache/torch_extensions)") if not cfg.use_gpu else ""
+    return (f"    the first step waits for one-time work: {cfg.num_workers} worker(s) start, load the model and "
+            f"initialise DeepSpeed{op}")
+
+
 def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
     """Run (or resume) a training run on the current Ray cluster (ray.init() if none is connected)."""
     from pipelines.export import export_checkpoint
@@ -372,6 +369,8 @@ def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
 
     thread = threading.Thread(target=fit, name="mbd-train-fit", daemon=True)
     thread.start()
+    if show_progress:
+        print(one_time_note(cfg), flush=True)
     history = follow(progress, thread, cfg.steps, cfg.run.name, show_progress)
     if "error" in outcome:
         raise outcome["error"]
@@ -403,7 +402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_yaml(args.config, TrainConfig, sets=args.overrides)
-        summary = run_train(cfg, show_progress=not args.no_progress)
+        local = "://" not in cfg.run.storage_path
+        log_dir = Path(cfg.run.run_dir).resolve() if local else Path(tempfile.mkdtemp(prefix="mbd-train-"))
+        with ray_session(log_dir):
+            summary = run_train(cfg, show_progress=not args.no_progress)
     except ConfigError as e:
         print(f"mbd train: {e}", file=sys.stderr)
         return 2

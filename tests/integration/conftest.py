@@ -8,7 +8,10 @@ import pytest
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, object_store_memory=300 * 1024**2, include_dashboard=False)
+    from actors.tp_worker import free_port
+
+    # dashboard_port: see pipelines/ray_session.py (another cluster's dashboard must not answer our State API)
+    ray.init(num_cpus=2, object_store_memory=300 * 1024**2, include_dashboard=False, dashboard_port=free_port())
     yield ray
     ray.shutdown()
 

@@ -1,24 +1,29 @@
 """Fault tolerance: a worker that raises is restarted from the last checkpoint, and a re-run with the same
-RunConfig(name, storage_path) resumes where the run stopped."""
+RunConfig(name, storage_path) resumes where the run stopped.
+
+The fault is injected by the test alone (`loop_with_fault`): no production config field or code path knows of it."""
 
 import pytest
 import torch
 
 from mbd.model import load_checkpoint
+from pipelines import train_multitf
 from pipelines.export import main as export_main
 from pipelines.train_multitf import run_train
-from tests.integration.train_helpers import make_model_and_corpus, step_losses, train_config
+from tests.integration.train_helpers import (FAIL_AT, FAULT_MARKER, loop_with_fault, make_model_and_corpus,
+                                             step_losses, train_config)
 
 
-def test_worker_failure_resumes_from_last_checkpoint_then_rerun_continues(ray_cluster, tmp_path):
+def test_worker_failure_resumes_from_last_checkpoint_then_rerun_continues(ray_cluster, tmp_path, monkeypatch):
     model_dir, corpus = make_model_and_corpus(tmp_path)
-    every, fail_at = 2, 4
+    every, fail_at = 2, FAIL_AT
     # block-diffusion TF layouts + SDAR weighting: the pretraining path, exercised here too
     cfg = train_config("fault", tmp_path / "runs", model_dir, corpus, steps=5, checkpoint_every=every,
-                       fail_at_step=fail_at, max_failures=1, layouts={"mode": "tf", "gmax": 2,
-                       "scheduler": {"name": "random"}}, objective={"name": "sdar_weighted_ce"},
-                       deepspeed__grad_accum=1)
+                       max_failures=1, layouts={"mode": "tf", "gmax": 2, "scheduler": {"name": "random"}},
+                       objective={"name": "sdar_weighted_ce"}, deepspeed__grad_accum=1)
+    monkeypatch.setattr(train_multitf, "train_loop", loop_with_fault)
     summary = run_train(cfg, show_progress=False)
+    monkeypatch.undo()
 
     log = [int(m["step"]) for m in summary.history if "loss" in m]
     print("step log (with restart):", log)
@@ -30,9 +35,9 @@ def test_worker_failure_resumes_from_last_checkpoint_then_rerun_continues(ray_cl
     for s in repeated:  # exact resume: same weights, optimizer state and rows -> the same loss
         first, again = step_losses(summary.history)[s]
         assert again == pytest.approx(first, rel=1e-6)
-    assert (tmp_path / "runs" / "fault" / f".fail_at_step_{fail_at}.done").exists()
+    assert (tmp_path / "runs" / "fault" / FAULT_MARKER).exists()
 
-    rerun = run_train(cfg.model_copy(update={"steps": 7, "fail_at_step": None}), show_progress=False)
+    rerun = run_train(cfg.model_copy(update={"steps": 7}), show_progress=False)
     log2 = [int(m["step"]) for m in rerun.history if "loss" in m]
     print("step log (re-run):", log2)
     assert log2 == [6, 7] and rerun.last_step == 7

@@ -1,5 +1,6 @@
 """Shared setup of the training integration tests: a tiny model with the char-level tokenizer, a small
-prompt/response corpus, a TrainConfig factory and a plain single-process reference training loop."""
+prompt/response corpus, a TrainConfig factory, a plain single-process reference training loop, and the
+test-side fault injection of the fault-tolerance test."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from mbd.multitf.batching import OnTheFlyRows, StepSampler, collate, rows_to_col
 from mbd.multitf.objectives import compute_objective
 from mbd.tiny.vocab import save_tokenizer, special_token_ids
 from mbd.train_config import TrainConfig
+from pipelines import train_multitf
 from pipelines.train_multitf import tokenize_corpus
 from tests.conftest import tiny_cfg
 
@@ -101,3 +103,30 @@ def step_losses(history: list[dict]) -> dict[int, list[float]]:
         if "loss" in m:
             out.setdefault(int(m["step"]), []).append(m["loss"])
     return out
+
+
+FAIL_AT = 4
+FAULT_MARKER = ".injected_failure"  # in the run dir: the failure happens once, not again after the restart
+_batches = train_multitf.on_the_fly_batches  # the real ones, as a worker process imports them
+_loop = train_multitf.train_loop
+
+
+def _batches_failing_once(cfg, mcfg, rows, rank, world, first_step, device):
+    """The worker's on-the-fly batches, except that the last rank raises once when step FAIL_AT asks for its
+    first micro-batch (a marker file in the run dir makes it once: the restarted group runs through)."""
+    for i, batch in enumerate(_batches(cfg, mcfg, rows, rank, world, first_step, device)):
+        marker = Path(cfg.run.run_dir) / FAULT_MARKER
+        if first_step + i // cfg.deepspeed.grad_accum == FAIL_AT and rank == world - 1 and not marker.exists():
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+            raise RuntimeError(f"injected worker failure at step {FAIL_AT} (rank {rank})")
+        yield batch
+
+
+def loop_with_fault(config):
+    """Fault injection for tests, given to the trainer in place of `train_loop` (monkeypatch in the driver). It
+    runs in each Ray Train worker, a process of its own that a driver-side patch does not reach: it patches that
+    process's batch source, then trains as usual. Lives here, not in the test module, because workers import it
+    by module name and pytest imports test modules under their bare file name."""
+    train_multitf.on_the_fly_batches = _batches_failing_once
+    _loop(config)
