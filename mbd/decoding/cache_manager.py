@@ -39,6 +39,7 @@ class CacheManager:
         self.tables: list[list[int]] = [[] for _ in range(cache.rows)]  # row -> physical pages, logical order
         self.hashes: list[list[int]] = [[] for _ in range(cache.rows)]  # row -> chained hashes of its first pages
         self.inflight: dict[int, int] = {}  # hash -> row, of prompt pages mapped but not yet committed
+        self.home = [cache.homes] * cache.rows  # row -> it maps only its home pages (`at_home`)
 
     # ----------------------------------------------------------------- accounting
     @property
@@ -147,8 +148,7 @@ class CacheManager:
 
     def at_home(self, rows: int) -> bool:
         """Whether rows [0, rows) map only their home pages (the cache then reads them without a gather)."""
-        c = self.cache
-        return c.homes and all(p == c.home(r, j) for r in range(rows) for j, p in enumerate(self.tables[r]))
+        return all(self.home[:rows])
 
     def _alloc(self, row: int, j: int) -> int:
         """A page for logical page j of `row`: its home page if free, else the first free page; with none free, a
@@ -175,6 +175,7 @@ class CacheManager:
         del self.by_hash[h]
 
     def _upload(self, row: int) -> None:
-        t = self.tables[row]
+        t, c = self.tables[row], self.cache
+        self.home[row] = c.homes and all(p == c.home(row, j) for j, p in enumerate(t))
         full = t + [SCRATCH] * (self.cache.page_table.shape[1] - len(t))
         self.cache.page_table[row].copy_(torch.tensor(full, dtype=torch.long))

@@ -48,7 +48,8 @@ class KVCache:
         self.num_pages = 1 + rows * self.pages_per_row if identity else num_pages
         if self.num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (one is scratch), got {self.num_pages}")
-        shape = (cfg.num_hidden_layers, self.num_pages, self.page_size, heads, cfg.head_dim)
+        # head-major pool: a row's keys of one head are contiguous within a page, as attention reads them
+        shape = (cfg.num_hidden_layers, heads, self.num_pages, self.page_size, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
@@ -56,7 +57,11 @@ class KVCache:
         # a pool with room for every row at full size gives row r "home" pages 1 + r * pages_per_row + j: while
         # the rows a forward reads map only home pages, `read` is a strided view instead of a gather
         self.homes = self.num_pages >= 1 + rows * self.pages_per_row
-        self.row0, self.all_rows, self.at_home = 0, rows, False
+        self.row0, self.at_home = 0, False
+        if self.homes:  # [layers, rows, kvh, pages_per_row * page_size, d]: every row's home pages, in place
+            self.home_k, self.home_v = (
+                x[:, :, 1: 1 + rows * self.pages_per_row].unflatten(2, (rows, -1)).flatten(3, 4).transpose(1, 2)
+                for x in (self.k, self.v))
         if identity:
             self.page_table[:, :-1] = 1 + torch.arange(rows * self.pages_per_row, device=device).view(rows, -1)
 
@@ -91,12 +96,16 @@ class KVCache:
     def rows(self) -> int:
         return self.lengths.shape[0]
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Scatter k/v [b, kvh, n, d] of every row (in order) to absolute positions pos [b, n]."""
+    def address(self, pos: torch.Tensor) -> torch.Tensor:
+        """Pool slots [b * n] of absolute positions pos [b, n] of every row (in order), through the page table;
+        computed once per forward, used by every layer's `write`."""
         page = self.page_table.gather(1, (pos // self.page_size).clamp(max=self.pages_per_row))
-        slots = (page * self.page_size + pos % self.page_size).flatten()
+        return (page * self.page_size + pos % self.page_size).flatten()
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store k/v [b, kvh, n, d] of every row (in order) at `slots` (`address(pos)`)."""
         for pool, x in ((self.k, k), (self.v, v)):
-            pool[layer].flatten(0, 1).index_copy_(0, slots, x.transpose(1, 2).flatten(0, 1))
+            pool[layer].flatten(1, 2).index_copy_(1, slots, x.transpose(0, 1).flatten(1, 2))
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [b, kvh, span, d] of every row, gathered page by page through the table (or, at home, viewed in
@@ -104,13 +113,11 @@ class KVCache:
         mask hides just as it hides the scratch page): the key range a mask over `span` keys addresses."""
         if self.at_home:
             rows = slice(self.row0, self.row0 + self.rows)
-            return tuple(x[layer][1: 1 + self.all_rows * self.pages_per_row]
-                         .view(self.all_rows, self.pages_per_row * self.page_size, *x.shape[-2:])[rows, : self.span]
-                         .transpose(1, 2) for x in (self.k, self.v))
+            return self.home_k[layer, rows, :, : self.span], self.home_v[layer, rows, :, : self.span]
         pages = self.page_table[:, : -(-self.span // self.page_size)]
         b, n = pages.shape
         flat = pages.flatten()  # index_select copies whole pages: several times faster than advanced indexing on CPU
-        k, v = (x[layer].index_select(0, flat).view(b, n * self.page_size, *x.shape[-2:])[:, : self.span].transpose(1, 2)
+        k, v = (x[layer].index_select(1, flat).unflatten(1, (b, n)).flatten(2, 3)[:, :, : self.span].transpose(0, 1)
                 for x in (self.k, self.v))
         return k, v
 

@@ -192,8 +192,8 @@ def test_committed_kv_equals_full_forward(family):
     pos = torch.arange(n)[None]
     with torch.no_grad():
         model(torch.tensor([seq[:n]]), pos, block_causal_dense(pos, n, torch.tensor([n]), 4), cache=ref)
-    for got, want in ((cache.k, ref.k), (cache.v, ref.v)):  # [layers, pages, page, kvh, d] -> positions
-        torch.testing.assert_close(got[:, pages].flatten(1, 2), want[:, 1:1 + len(pages)].flatten(1, 2),
+    for got, want in ((cache.k, ref.k), (cache.v, ref.v)):  # [layers, kvh, pages, page, d] -> positions
+        torch.testing.assert_close(got[:, :, pages].flatten(2, 3), want[:, :, 1:1 + len(pages)].flatten(2, 3),
                                    atol=1e-10, rtol=1e-10)
 
 
