@@ -7,6 +7,9 @@ a chained hash (its predecessor's hash and its own tokens, as vLLM does), and a 
 hash collision is a miss, never a wrong page. Only full, committed pages are ever registered or shared: a row
 never writes below its committed length, so shared pages are read-only.
 
+A pool with room for every row at full size (the default) gives each row home pages that it reads in place; there a
+hit is copied into the row's home pages once at admission (the prefill is still skipped) rather than shared, which
+would make every decode step gather the shared pages. A pool sized by a memory budget shares hit pages by reference.
 A page is held by every row whose table maps it (reference count). At count zero a registered page stays cached
 (evicted least recently used when the pool needs a page; a sequence's tail pages go first), an unregistered one is
 free. The manager keeps host lists and writes a row's table to the device (`cache.page_table`) whenever it
@@ -85,16 +88,34 @@ class CacheManager:
         *hits, (_, pending) = self._walk(ids)
         if pending is not None and pending in self.inflight:
             return None
-        fresh = max(0, self.pages_for(need) - len(hits))
-        idle_hits = sum(1 for p, _ in hits if self.ref[p] == 0)  # they stop being available once mapped
+        # A pool with homes reserves every row's room anyway: a hit is copied into the row's home page (one copy
+        # per admission instead of a gather of the shared pages in every decode step). Without homes, hit pages
+        # are mapped and shared by reference.
+        copy = self.cache.homes
+        fresh = max(0, self.pages_for(need) - (0 if copy else len(hits)))
+        idle_hits = 0 if copy else sum(1 for p, _ in hits if self.ref[p] == 0)  # mapped: no longer available
         if self.available() - idle_hits - fresh < reserve:
             return None
-        for p, _ in hits:
+        for p, _ in hits:  # held while the row's pages are allocated, so none of them is evicted meanwhile
             if self.ref[p] == 0:
                 del self.cached[p]
             self.ref[p] += 1
-        self.tables[row] = [p for p, _ in hits]
-        self.tables[row] += [self._alloc(row, len(hits) + i) for i in range(fresh)]
+        if copy:
+            table = self.tables[row] = []
+            for j in range(self.pages_for(need)):
+                src = hits[j][0] if j < len(hits) else None
+                if src is not None and src == self.cache.home(row, j):  # already home (this row's earlier request)
+                    self.ref[src] += 1
+                    table.append(src)
+                    continue
+                table.append(self._alloc(row, j))
+                if src is not None:
+                    self.cache.copy_page(src, table[-1])
+            for p, _ in hits:
+                self._unref(p)
+        else:
+            self.tables[row] = [p for p, _ in hits]
+            self.tables[row] += [self._alloc(row, len(hits) + i) for i in range(fresh)]
         self.hashes[row] = [h for _, h in hits]
         self._upload(row)
         h = hits[-1][1] if hits else None
@@ -135,35 +156,39 @@ class CacheManager:
     def release(self, row: int) -> None:
         """Unmap all of a row's pages (tail first, so cached tails are evicted before the heads they extend)."""
         for p in reversed(self.tables[row]):
-            self.ref[p] -= 1
-            if self.ref[p] == 0:
-                if p in self.key:
-                    self.cached[p] = None
-                else:
-                    self.free[p] = None
+            self._unref(p)
         self.tables[row], self.hashes[row] = [], []
         for h in [h for h, r in self.inflight.items() if r == row]:
             del self.inflight[h]
         self._upload(row)
+
+    def _unref(self, p: int) -> None:
+        self.ref[p] -= 1
+        if self.ref[p] == 0:
+            if p in self.key:
+                self.cached[p] = None
+            else:
+                self.free[p] = None
 
     def at_home(self, rows: int) -> bool:
         """Whether rows [0, rows) map only their home pages (the cache then reads them without a gather)."""
         return all(self.home[:rows])
 
     def _alloc(self, row: int, j: int) -> int:
-        """A page for logical page j of `row`: its home page if free, else the first free page; with none free, a
-        cached page is evicted: the home page if cached, else the least recently released one."""
+        """A page for logical page j of `row`: its home page if no row holds it (evicting what it caches: in-place
+        reads are worth more than an old prefix), else the first free page, else the least recently released
+        cached one (evicted)."""
         home = self.cache.home(row, j) if self.cache.homes else None
         if home in self.free:
             p = home
-            del self.free[p]
-        elif self.free:
-            p = next(iter(self.free))
             del self.free[p]
         elif home in self.cached:
             p = home
             del self.cached[p]
             self._forget(p)
+        elif self.free:
+            p = next(iter(self.free))
+            del self.free[p]
         else:
             p, _ = self.cached.popitem(last=False)
             self._forget(p)

@@ -121,6 +121,11 @@ class KVCache:
                 for x in (self.k, self.v))
         return k, v
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy one page's K/V (all layers) to another page."""
+        for x in (self.k, self.v):
+            x[:, :, dst] = x[:, :, src]
+
     def nbytes(self) -> int:
         """Bytes allocated for K and V (the whole pool)."""
         return self.k.nbytes + self.v.nbytes

@@ -195,9 +195,11 @@ def test_reads_at_home_equal_gathered_reads():
         home = runner.forward(*args, home=True)[0].clone()
         gathered = runner.forward(*args, home=False)[0]
     assert torch.equal(home, gathered)
-    eng = Engine(model, None, dcfg(buffer_size=3), max_batch_slots=2)
-    eng.generate(prompts(1))
-    eng.add_request(prompts(2)[1])  # hits the first prompt's cached pages, which live at row 0's home
-    eng.add_request(prompts(1)[0])
-    eng.step()
-    assert eng.stats.prefix_hit_tokens > 0 and not eng.kv.at_home(2)
+    # hits: copied home in a default pool (rows stay at home), shared by reference in a budgeted one (not home)
+    for budget, home in ((None, True), (9 * KVCache.page_bytes(model.cfg, 16, torch.float64), False)):
+        eng = Engine(model, None, dcfg(buffer_size=3), max_batch_slots=2, kv_cache_bytes=budget)
+        eng.generate(prompts(1))
+        eng.add_request(prompts(2)[1])  # both hit the first prompt's cached pages
+        eng.add_request(prompts(1)[0])
+        eng.step()
+        assert eng.stats.prefix_hit_tokens == 2 * 32 and eng.kv.at_home(2) == home
