@@ -57,6 +57,17 @@ class _Routing:
             worker.print_to_stdstream = self.printer
 
 
+def dashboard_port() -> int:
+    """A free port for a local cluster's (disabled) dashboard address that none of Ray's fixed default ports take:
+    Ray refuses to start when two of its components would share one (52365 is the dashboard agent's)."""
+    from ray._private import ray_constants as rc
+
+    taken = {rc.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT, rc.DEFAULT_DASHBOARD_PORT, rc.DEFAULT_PORT}
+    while (port := free_port()) in taken:
+        pass
+    return port
+
+
 def _log_cluster_message(data: dict[str, Any], ignore_prefix: bool = False) -> None:
     log = logging.getLogger("ray.cluster_messages")
     for line in data.get("lines", []):
@@ -90,7 +101,7 @@ def ray_session(log_dir: Path, num_cpus: int | None = None) -> Iterator[bool]:
                 # cleaner asks the State API there whether the run's controller lives, and another Ray cluster
                 # on this machine answering at the default port 8265 ("no such actor") would get our training
                 # workers killed.
-                ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_port=free_port(),
+                ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_port=dashboard_port(),
                          log_to_driver=False)
         routing.apply()
         yield started

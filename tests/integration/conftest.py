@@ -8,10 +8,10 @@ import pytest
 def ray_cluster():
     import ray
 
-    from actors.tp_worker import free_port
+    from pipelines.ray_session import dashboard_port
 
     # dashboard_port: see pipelines/ray_session.py (another cluster's dashboard must not answer our State API)
-    ray.init(num_cpus=2, object_store_memory=300 * 1024**2, include_dashboard=False, dashboard_port=free_port())
+    ray.init(num_cpus=2, object_store_memory=300 * 1024**2, include_dashboard=False, dashboard_port=dashboard_port())
     yield ray
     ray.shutdown()
 

@@ -26,3 +26,12 @@ def test_ray_output_goes_to_the_log_file_and_is_restored(ray_cluster, tmp_path, 
     assert "serve line 1" in logged and "data line 2" in logged and "(raylet) raylet line 3" in logged
     assert logging.getLogger("ray.serve").handlers == serve_before and logging.getLogger("ray").handlers == ray_before
     assert worker.print_to_stdstream is printer
+
+
+def test_dashboard_port_never_takes_a_port_ray_reserves(monkeypatch):
+    """Ray refuses to start when the dashboard's port is its agent's default (52365): skip Ray's fixed ports."""
+    from pipelines import ray_session
+
+    ports = iter([52365, 8265, 6379, 40123])
+    monkeypatch.setattr(ray_session, "free_port", lambda: next(ports))
+    assert ray_session.dashboard_port() == 40123

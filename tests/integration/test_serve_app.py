@@ -212,14 +212,16 @@ def test_api_key(base):
 
 
 def test_full_queue_answers_503_with_retry_after(base):
-    """tp2 takes 2 ongoing + 1 queued request; the rest of a burst of 8 long requests is turned away. Ray Serve's
-    bound is approximate: a request still being assigned to a replica counts as queued, so the router may admit
-    only the first one of a simultaneous burst (seen in CI). At most 3 succeed, at least one, the rest get 503."""
+    """tp2 takes 2 ongoing + 1 queued request; a simultaneous burst of 8 long requests overfills it. Ray Serve's
+    bound is approximate in both directions (a request still being assigned counts as queued; routers act on cached
+    queue lengths), so CI has seen 1 and 4 of the 8 admitted: the test asserts that some are served, that the
+    overflow is refused (at least 3 of 8), every refusal as a JSON 503 with Retry-After, and that the service
+    answers afterwards."""
     body = {"model": MODEL, "prompt": "1+1=", "max_tokens": 100, "tau_m2t": 1.0}
     with ThreadPoolExecutor(8) as pool:
         rs = list(pool.map(lambda _: _post(base, "tp2", "completions", body), range(8)))
     codes = sorted(r.status_code for r in rs)
-    assert set(codes) == {200, 503} and 1 <= codes.count(200) <= 3, codes
+    assert set(codes) == {200, 503} and codes.count(503) >= 3, codes
     for r in rs:
         if r.status_code == 503:
             assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"
