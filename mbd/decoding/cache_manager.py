@@ -92,8 +92,9 @@ class CacheManager:
         # per admission instead of a gather of the shared pages in every decode step). Without homes, hit pages
         # are mapped and shared by reference.
         copy = self.cache.homes
-        fresh = max(0, self.pages_for(need) - (0 if copy else len(hits)))
-        idle_hits = 0 if copy else sum(1 for p, _ in hits if self.ref[p] == 0)  # mapped: no longer available
+        kept = sum(1 for j, (p, _) in enumerate(hits) if not copy or p == self.cache.home(row, j))  # mapped as is
+        fresh = max(0, self.pages_for(need) - kept)
+        idle_hits = sum(1 for p, _ in hits if self.ref[p] == 0)  # held from here on: no longer available
         if self.available() - idle_hits - fresh < reserve:
             return None
         for p, _ in hits:  # held while the row's pages are allocated, so none of them is evicted meanwhile
@@ -115,7 +116,7 @@ class CacheManager:
                 self._unref(p)
         else:
             self.tables[row] = [p for p, _ in hits]
-            self.tables[row] += [self._alloc(row, len(hits) + i) for i in range(fresh)]
+            self.tables[row] += [self._alloc(row, kept + i) for i in range(fresh)]
         self.hashes[row] = [h for _, h in hits]
         self._upload(row)
         h = hits[-1][1] if hits else None

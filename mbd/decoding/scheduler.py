@@ -3,7 +3,8 @@
 Requests are admitted into the lowest free row so that occupied rows stay packed at the front and the
 runner can use the smallest batch bucket, and only when their KV pages fit; a finished or aborted request
 frees its row for the next one on the following step. When the page pool runs out mid-decode the youngest
-running request is preempted: back to the front of the queue, recomputed from its final tokens later.
+running request is preempted: back to the front of the queue, its Block Buffer kept, its committed tokens
+prefilled again on readmission.
 """
 
 from __future__ import annotations
