@@ -27,7 +27,7 @@ from tqdm import tqdm
 from actors.eval_worker import EvalWorker
 from mbd.config import ConfigError, apply_sets, read_yaml, resolve_path, validate
 from mbd.eval.benchmarks import Problem, ScoreResult, get_benchmark
-from mbd.eval.code_exec import UNSAFE_ENV, IsolationUnavailable, require_isolation
+from mbd.eval.isolation import UNSAFE_ENV, IsolationUnavailable, require_isolation
 from mbd.eval.report import SweepSummary, write_sweep_report
 from mbd.eval.sweep import (PrefixCacheRecord, ResultStore, SweepConfig, WorkQueue, check_models, load_problems,
                             load_splits, make_record, plan_units, score_completion)
