@@ -33,6 +33,8 @@ from mbd.eval.sweep import (PrefixCacheRecord, ResultStore, SweepConfig, WorkQue
                             load_splits, make_record, plan_units, score_completion)
 from pipelines.ray_session import ray_session
 
+__all__ = ["run_sweep", "main"]  # what other pipelines may use
+
 UNITS_IN_FLIGHT = 2  # per worker: the next unit is queued at the actor while the driver handles the last one
 
 

@@ -54,6 +54,8 @@ from mbd.multitf.layouts import num_layouts
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
 from mbd.multitf.schedulers import SchedulerConfig, build_scheduler
 
+__all__ = ["run_expand", "ExpandConfig", "ExpandSummary", "main"]  # what other pipelines may use
+
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 QUARANTINE_RECORD_CHARS = 4000  # a quarantined record is kept for inspection, truncated

@@ -50,6 +50,8 @@ from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
 from mbd.train_config import TrainConfig
 from pipelines.ray_session import ray_session
 
+__all__ = ["run_train", "TrainSummary", "main"]  # what other pipelines may use
+
 POLL_S = 0.5
 SHUFFLE_BUFFER_ROWS = 4096  # rows each worker draws its Parquet micro-batches from at random
 
