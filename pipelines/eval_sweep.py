@@ -29,12 +29,14 @@ from tqdm import tqdm
 
 from mbd.config import ConfigError, apply_sets, read_yaml, resolve_path, validate
 from mbd.eval.benchmarks import Problem, ScoreResult, get_benchmark
-from mbd.eval.code_exec import UNSAFE_ENV, IsolationUnavailable, require_isolation
+from mbd.eval.isolation import UNSAFE_ENV, IsolationUnavailable, require_isolation
 from mbd.eval.report import SweepSummary, write_sweep_report
 from mbd.eval.sweep import (Cell, Decoded, DecodedUnit, PrefixCacheRecord, ResultStore, SweepConfig, Unit, WorkQueue,
                             check_models, load_problems, load_splits, make_record, plan_units, score_completion)
 from pipelines.ray_session import ray_session
 from pipelines.sweep_pool import DecoderPool
+
+__all__ = ["run_sweep", "main"]  # what other pipelines may use
 
 UNITS_IN_FLIGHT = 2  # per worker: the next unit is queued at the actor while the driver handles the last one
 POLL_S = 5.0  # the dispatch loop checks this often that its reservation is whole while it waits for results
