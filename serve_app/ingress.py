@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from fastapi import FastAPI
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
@@ -157,9 +158,10 @@ class OpenAIIngress:
 
     # ---- generation ----
 
-    async def _start(self, req: SamplingFields, prompts: list[list[int]]) -> list[Choice]:
+    async def _start(self, req: SamplingFields, prompts: list[list[int]], attempts: int = 2) -> list[Choice]:
         """Start n engine requests per prompt (choice index = prompt * n + k, seed = seed + k) and wait for the
-        first block of each: it decides the HTTP status (200, 400 or 503)."""
+        first block of each: it decides the HTTP status (200, 400 or 503). A replica that died before sending
+        anything (its node was lost) costs the client nothing: the request is sent again, to another replica."""
         self.convert.check_choices(req, len(prompts))
         params = self.convert.params(req, max(len(p) for p in prompts))
         # blocks one by one only when someone looks at them: an SSE client, or stop strings that may end early
@@ -174,6 +176,9 @@ class OpenAIIngress:
                     g.cancel()
             if isinstance(failed, ValueError):  # the decoder's own validation (the checks above should catch it)
                 raise APIError(400, str(_root(failed))) from failed
+            if isinstance(failed, RayActorError) and attempts > 1:
+                log.warning("decoder replica lost before the first block; sending the request again: %r", failed)
+                return await self._start(req, prompts, attempts - 1)
             retry = self.cfg.decoder.retry_after_s
             if isinstance(failed, BackPressureError):
                 raise overloaded(failed.retry_after_s if failed.retry_after_s is not None else retry) from failed
