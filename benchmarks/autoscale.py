@@ -83,7 +83,7 @@ def percentile(xs: list[float], q: float) -> float:
 async def _one(http: httpx.AsyncClient, url: str, body: dict, req: Request, deadline: float) -> None:
     """One streaming request; a 503 is retried after its Retry-After while the run lasts."""
     while True:
-        t, first = time.perf_counter(), None
+        first = None
         try:
             async with http.stream("POST", url, json=body) as r:
                 if r.status_code == 503 and "retry-after" in r.headers and time.perf_counter() < deadline:
