@@ -1,6 +1,7 @@
 """The layering rules, read from the source with `ast` (nothing is imported, so a rule broken inside a function
 body counts too):
 - the core `mbd/` is plain PyTorch: it never imports Ray, FastAPI, DeepSpeed or the project's outer layers;
+- the sandboxed child's files (`mbd/eval/sandbox_child.py`, `value_codec.py`) import only the standard library;
 - a pipeline uses another pipeline only through that module's public surface, the names it lists in `__all__`
   (its `run_*` entry point and config models); `pipelines/stages.py` and `pipelines/ray_session.py` are shared
   libraries of the pipelines, usable by any public name.
@@ -98,3 +99,14 @@ def test_the_rule_catches_a_private_import(source, expected):
     and a private name of a shared module are caught; a lazy import of an entry point is allowed."""
     found = cross_pipeline_violations(ROOT / "pipelines" / "probe.py", source)
     assert len(found) == len(expected) and all(e in f for e, f in zip(expected, found))
+
+
+def test_the_sandboxed_childs_files_import_only_the_standard_library():
+    """The child runs in a view without the repository: its runtime and the codec it loads by path may import
+    nothing else (the codec imports numpy only to decode numpy values, which exist only where numpy does)."""
+    import sys
+
+    for name, allowed in (("sandbox_child.py", set()), ("value_codec.py", {"numpy"})):
+        source = (ROOT / "mbd" / "eval" / name).read_text()
+        outside = {m for _, m, _ in imports(source) if m.split(".")[0] not in sys.stdlib_module_names} - allowed
+        assert outside == set(), f"{name} imports {outside}"
