@@ -52,6 +52,7 @@ from mbd.multitf.batching import Batch, OnTheFlyRows, StepSampler, collate, rows
 from mbd.multitf.objectives import compute_objective, loss_stats, stats_metrics, stats_size
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
 from mbd.multitf.rows import TokenizedSequence, redraw_columns
+from mbd.plan_check import check_train
 from mbd.train_config import TrainConfig
 from pipelines.ray_session import ray_session
 
@@ -414,6 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_yaml(args.config, TrainConfig, sets=args.overrides)
+        check_train(cfg)  # refuse a run whose ranks cannot hold it, before Ray starts or weights load
         local = "://" not in cfg.run.storage_path
         log_dir = Path(cfg.run.run_dir).resolve() if local else Path(tempfile.mkdtemp(prefix="mbd-train-"))
         with ray_session(log_dir):
