@@ -14,6 +14,7 @@ import sys
 import time
 
 from mbd.config import ConfigError
+from mbd.plan_check import check_serve
 from serve_app.config import load_serve_config
 
 
@@ -45,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = cfg.model_copy(update={"http": http, "model": model})
     if not (cfg.model.resolved_path() / "config.json").is_file():
         print(f"mbd serve: model.path {cfg.model.path} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    try:  # refuse before loading (and before Ray starts) a deployment whose ranks cannot hold it
+        check_serve(cfg.model, cfg.model.tensor_parallel_size, cfg.decode)
+    except ConfigError as e:
+        print(f"mbd serve: {e}", file=sys.stderr)
         return 2
     if http.host not in {"127.0.0.1", "localhost", "::1"} and not http.api_key:
         print(f"mbd serve: warning: listening on {http.host} without an API key (set MBD_API_KEY)", file=sys.stderr)
