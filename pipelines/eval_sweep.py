@@ -31,7 +31,7 @@ from mbd.eval.code_exec import UNSAFE_ENV, IsolationUnavailable, require_isolati
 from mbd.eval.report import SweepSummary, write_sweep_report
 from mbd.eval.sweep import (PrefixCacheRecord, ResultStore, SweepConfig, WorkQueue, check_models, load_problems,
                             load_splits, make_record, plan_units, score_completion)
-from pipelines.ray_session import ray_session
+from pipelines.ray_session import init_ray, ray_session
 
 UNITS_IN_FLIGHT = 2  # per worker: the next unit is queued at the actor while the driver handles the last one
 
@@ -69,7 +69,7 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> SweepSummary:
     if units:
         check_models({u.cell.model.name: u.cell.model for u in units}.values())
         if not ray.is_initialized():
-            ray.init()
+            init_ray()
         device, n, gpus = _workers(cfg)
         threads = max(1, int(cfg.cpus_per_worker)) if device == "cpu" else None
         workers = [EvalWorker.options(num_cpus=cfg.cpus_per_worker, num_gpus=gpus)

@@ -48,7 +48,7 @@ from mbd.multitf.batching import Batch, OnTheFlyRows, StepSampler, TokenizedSequ
 from mbd.multitf.objectives import compute_objective, loss_stats, stats_metrics, stats_size
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
 from mbd.train_config import TrainConfig
-from pipelines.ray_session import ray_session
+from pipelines.ray_session import init_ray, ray_session
 
 POLL_S = 0.5
 SHUFFLE_BUFFER_ROWS = 4096  # rows each worker draws its Parquet micro-batches from at random
@@ -344,7 +344,7 @@ def one_time_note(cfg: TrainConfig) -> str:
 
 
 def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
-    """Run (or resume) a training run on the current Ray cluster (ray.init() if none is connected)."""
+    """Run (or resume) a training run on the current Ray cluster (`init_ray` if none is connected)."""
     from pipelines.export import export_checkpoint
 
     cfg = absolute_paths(cfg)
@@ -352,7 +352,7 @@ def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
         raise ConfigError(f"model_path: {cfg.model_path} has no config.json (an HF-format model directory)")
     mcfg = ModelConfig.from_hf(read_json(Path(cfg.model_path) / "config.json"))
     if not ray.is_initialized():
-        ray.init()
+        init_ray()
     start = time.perf_counter()
     datasets, sequences, probe_rows, skipped = prepare_data(cfg, mcfg)
     progress = Progress.remote()
