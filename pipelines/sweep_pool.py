@@ -26,6 +26,8 @@ from actors.eval_worker import EvalWorker
 from mbd.config import ConfigError
 from mbd.eval.sweep import SweepConfig
 
+__all__ = ["DecoderPool", "PlacementError", "Shape", "fits", "plan_shape", "read_placement_log"]
+
 MAX_DEFAULT_SCORERS = 64  # scoring slots reserved when `scorers` is unset: the CPUs left over, at most this many
 NODE_DEATH_WAIT_S = 45.0  # after a worker is lost: how long to wait for the cluster to declare its node dead
 PLACEMENT_LOG = "placement.jsonl"
