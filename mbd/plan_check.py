@@ -14,7 +14,6 @@ import psutil
 import torch
 
 from mbd.config import REPO_ROOT, ConfigError, DecodeConfig, ModelConfig, parse_dtype, read_json, resolve_path
-from mbd.decoding.spec import EngineSpec
 from mbd.plan import H100_80GB, DeviceMemory, Plan, ServeShape, TrainShape, refuse_unless_fits, serve_plan, train_plan
 from mbd.train_config import TrainConfig
 
@@ -46,12 +45,22 @@ def device_memory(cuda: bool) -> DeviceMemory:
     return H100_80GB
 
 
-def serve_shape(spec: EngineSpec, tp: int) -> ServeShape:
-    cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
-    dtype = (torch.bfloat16 if cuda else torch.float32) if spec.dtype == "auto" else parse_dtype(spec.dtype)
-    return ServeShape(tp=tp, dtype=dtype, cuda=cuda, max_batch_rows=spec.max_batch_slots,
-                      kv_cache_bytes=spec.kv_cache_bytes, kv_cache_fraction=spec.kv_cache_fraction,
-                      page_size=spec.page_size)
+def serve_shape(engine, tp: int) -> ServeShape:
+    """The memory-relevant engine settings of an `EngineSpec` (today's serve `model:` section) or of an engine
+    config with the fuller knob set (attention, compile, CUDA Graphs, buckets, prefill chunk)."""
+    cuda = engine.device == "cuda" or (engine.device == "auto" and torch.cuda.is_available())
+    dtype = (torch.bfloat16 if cuda else torch.float32) if engine.dtype == "auto" else parse_dtype(engine.dtype)
+    attention = getattr(engine, "attention", "sdpa")
+    if attention == "flex" and getattr(engine, "compile", "default") == "off":
+        attention = "sdpa"  # eager flex materialises the scores as the math kernel does
+    graphs = {"auto": None, "on": True, "off": False}[getattr(engine, "cuda_graphs", "auto")]
+    buckets = getattr(engine, "batch_buckets", None)
+    return ServeShape(tp=tp, dtype=dtype, cuda=cuda,
+                      max_batch_rows=getattr(engine, "max_batch_rows", None) or engine.max_batch_slots,
+                      kv_cache_bytes=engine.kv_cache_bytes, kv_cache_fraction=engine.kv_cache_fraction,
+                      page_size=engine.page_size, attention=attention, cuda_graphs=graphs,
+                      batch_buckets=tuple(buckets) if buckets else None,
+                      prefill_chunk=getattr(engine, "prefill_chunk", 512))
 
 
 def train_shape(cfg: TrainConfig, world: int | None = None, zero_stage: int | None = None) -> TrainShape:
@@ -60,11 +69,12 @@ def train_shape(cfg: TrainConfig, world: int | None = None, zero_stage: int | No
                       seq_len=cfg.data.max_length, attention=cfg.attention)
 
 
-def check_serve(spec: EngineSpec, tp: int, decode: DecodeConfig) -> Plan:
-    """Refuse (PlanError) an engine whose plan does not fit one rank's device; the plan otherwise."""
-    mcfg, _ = model_config(spec.path)
-    shape = serve_shape(spec, tp)
-    return refuse_unless_fits(serve_plan(mcfg, decode, shape, device_memory(shape.cuda)), f"model '{spec.path}'")
+def check_serve(path: str, engine, tp: int, decode: DecodeConfig) -> Plan:
+    """Refuse (PlanError) an engine over the model at `path` whose plan does not fit one rank's device; the plan
+    otherwise. `engine`: see `serve_shape`."""
+    mcfg, _ = model_config(path)
+    shape = serve_shape(engine, tp)
+    return refuse_unless_fits(serve_plan(mcfg, decode, shape, device_memory(shape.cuda)), f"model '{path}'")
 
 
 def check_train(cfg: TrainConfig) -> Plan | None:

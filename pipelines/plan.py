@@ -22,10 +22,15 @@ def plan_serve(data: dict, model_override: str | None, memory: DeviceMemory | No
     from mbd.decoding.spec import EngineSpec
 
     model = dict(data.get("model") or {})
-    own_tp = int(model.pop("tensor_parallel_size", 1))
-    spec = EngineSpec.model_validate({k: v for k, v in model.items() if k in EngineSpec.model_fields})
+    own_tp, path = int(model.pop("tensor_parallel_size", 1)), str(model.get("path", ""))
+    if "engine" in data:  # the engine's own section (EngineConfig) holds its knobs
+        from mbd.config import EngineConfig
+
+        spec = validate(EngineConfig, data["engine"], "engine")
+    else:
+        spec = validate(EngineSpec, {k: v for k, v in model.items() if k in EngineSpec.model_fields}, "model")
     decode = validate(DecodeConfig, data.get("decode") or {}, "decode")
-    mcfg, source = model_config(spec.path, model_override)
+    mcfg, source = model_config(path, model_override)
     shape = serve_shape(spec, own_tp)
     memory = memory or device_memory(shape.cuda)
     tps = sorted({1, 2, own_tp}) if shape.cuda else [own_tp]

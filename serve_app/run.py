@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mbd serve: model.path {cfg.model.path} is not a model directory (no config.json)", file=sys.stderr)
         return 2
     try:  # refuse before loading (and before Ray starts) a deployment whose ranks cannot hold it
-        check_serve(cfg.model, cfg.model.tensor_parallel_size, cfg.decode)
+        check_serve(cfg.model.path, cfg.model, cfg.model.tensor_parallel_size, cfg.decode)
     except ConfigError as e:
         print(f"mbd serve: {e}", file=sys.stderr)
         return 2

@@ -104,7 +104,7 @@ def test_a_fitting_deployment_passes_the_check():
     from serve_app.config import load_serve_config
 
     cfg = load_serve_config("configs/serve/tiny.yaml")
-    assert check_serve(cfg.model, 1, cfg.decode).fits
+    assert check_serve(cfg.model.path, cfg.model, 1, cfg.decode).fits
 
 
 def test_train_refuses_a_run_that_cannot_fit(tmp_path, capsys):
