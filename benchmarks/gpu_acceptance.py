@@ -196,6 +196,9 @@ def serve_row(s: Sizes, device: str) -> Row:
 
 ROWS: dict[str, Callable[[Sizes, str], Row]] = {"graphs": graphs_row, "flex": flex_row, "bf16": bf16_row,
                                                 "hf": hf_row, "train": train_row, "serve": serve_row}
+TITLES = {"graphs": "CUDA Graph replay == eager", "flex": "FlexAttention == SDPA", "bf16": "bf16 drift vs fp32",
+          "hf": "engine vs transformers loop", "train": "DeepSpeed ZeRO-2, 20 steps",
+          "serve": "one request served (Ray Serve, HTTP)"}
 
 
 def run_rows(names: list[str], s: Sizes, device: str) -> list[Row]:
@@ -205,7 +208,7 @@ def run_rows(names: list[str], s: Sizes, device: str) -> list[Row]:
         try:
             row = ROWS[name](s, device)
         except Exception as e:  # a crashing row is a failed row; the others still run
-            row = Row(name, "FAIL", f"{type(e).__name__}: {e}", data={"traceback": traceback.format_exc()})
+            row = Row(TITLES[name], "FAIL", f"{type(e).__name__}: {e}", data={"traceback": traceback.format_exc()})
         row.seconds, row.cpu_s = time.perf_counter() - t0, time.process_time() - c0
         rows.append(row)
         print(f"  {row.check}: {row.result} ({row.seconds:.0f} s, {row.cpu_s:.0f} s CPU)", file=sys.stderr, flush=True)
