@@ -105,7 +105,7 @@ class Reference:
         if eos is not None:
             gen = gen[:eos]
         reason = finish if finish == "max_nfe" else ("eos" if eos is not None else "length")
-        return ReferenceResult(gen, nfe, reason, len(gen) + int(eos is not None), active_counts)
+        return ReferenceResult(gen, nfe, reason, len(gen), active_counts)
 
     def stop_in(self, ids: list[int], first_pos: int, prompt_len: int, gen_end: int) -> bool:
         return any(t in self.stop_ids for i, t in enumerate(ids) if prompt_len <= first_pos + i < gen_end)

@@ -25,7 +25,9 @@ fixes `>=`, which we follow):
   tau_stable (if set), no stop token is in the buffer or output, a DUMMY slot is free within the request's
   buffer_size, and the block starts before the generation limit.
 - Finish: all resident blocks complete and (a stop token was generated or the next block would start past
-  the generation limit); otherwise after max_nfe forwards.
+  the generation limit), once the forward that stores the last of them has run (and counted), as the authors'
+  engine does: a request ends when its last block is IN_CACHE, not when it is TO_CACHE. A request that reaches
+  max_nfe before that store forward ends without it; otherwise after max_nfe forwards.
 """
 
 from __future__ import annotations
@@ -185,8 +187,8 @@ class Policy:
         length after this step's commit."""
         left = n_res - pre_tc
         allowed = cache_len + left * self.block < p.gen_end
-        if post_tc == n_res and (eos_seen or not allowed):
-            return Plan("done", False)
+        if post_tc == n_res and (eos_seen or not allowed):  # every block is final: done once they are stored
+            return Plan("done" if left == 0 or nfe >= p.max_nfe else None, False)
         if nfe >= p.max_nfe:
             return Plan("max_nfe", False)
         if eos_seen or not allowed or left >= p.buffer_size:

@@ -156,8 +156,9 @@ class Request:
 
     @property
     def num_generated(self) -> int:
-        """Tokens decoded up to and including the first stop token (TPF's numerator)."""
-        return len(self.output) + int(self.eos)
+        """TPF's numerator: the tokens returned, i.e. decoded before the first stop token (the stop token is left
+        out, as the authors' engine counts its truncated response)."""
+        return len(self.output)
 
     @property
     def finished(self) -> bool:
