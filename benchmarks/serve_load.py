@@ -25,7 +25,7 @@ import httpx
 import torch
 
 from actors.tp_worker import free_port
-from mbd.decoding import Engine
+from mbd.decoding import Engine, EngineConfig
 from mbd.model import load_checkpoint
 from mbd.tiny.task import generate as tiny_problems
 from mbd.tokenizer import Tokenizer
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, mcfg = load_checkpoint(path)
     tok = Tokenizer.from_dir(path, mcfg)
-    engine = Engine(model, tok, cfg.decode, max_batch_slots=cfg.model.max_batch_slots)
+    engine = Engine(model, tok, cfg.decode, EngineConfig(max_batch_rows=cfg.engine.max_batch_rows))
     ids = [tok.encode_chat(m) for m in messages]
 
     import ray
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         serve.shutdown()
         ray.shutdown()
 
-    print(f"model {path.name}, buffer_size {cfg.decode.buffer_size}, max_batch_slots {cfg.model.max_batch_slots}, "
+    print(f"model {path.name}, buffer_size {cfg.decode.buffer_size}, max_batch_rows {cfg.engine.max_batch_rows}, "
           f"max_tokens {args.max_tokens}, torch threads 1, Ray CPUs {args.cpus}")
     print(f"{'clients':>7} {'path':>6} {'req':>4} {'req/s':>7} {'tok/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
     for c, r in results.items():

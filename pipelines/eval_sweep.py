@@ -44,9 +44,9 @@ def _score(benchmark: str, problem: Problem, completion: str) -> ScoreResult:
 def _workers(cfg: SweepConfig) -> tuple[str, int, float]:
     """(device, number of decoder actors, GPUs per actor) for the connected cluster."""
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    device = cfg.device if cfg.device != "auto" else ("cuda" if gpus else "cpu")
+    device = cfg.engine.device if cfg.engine.device != "auto" else ("cuda" if gpus else "cpu")
     if device == "cuda" and gpus == 0:
-        raise ConfigError("device: cuda but the Ray cluster has no GPU; use device: cpu (or auto)")
+        raise ConfigError("engine.device: cuda but the Ray cluster has no GPU; use device: cpu (or auto)")
     return device, cfg.workers or (gpus if device == "cuda" else 1), 1.0 if device == "cuda" else 0.0
 
 
@@ -71,9 +71,10 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> SweepSummary:
         if not ray.is_initialized():
             ray.init()
         device, n, gpus = _workers(cfg)
-        threads = max(1, int(cfg.cpus_per_worker)) if device == "cpu" else None
-        workers = [EvalWorker.options(num_cpus=cfg.cpus_per_worker, num_gpus=gpus)
-                   .remote(device, cfg.batch_size, cfg.trace_problems > 0, threads) for _ in range(min(n, len(units)))]
+        threads = cfg.engine.threads or (max(1, int(cfg.cpus_per_worker)) if device == "cpu" else None)
+        engine = cfg.engine.model_copy(update={"device": device, "threads": threads, "trace": cfg.trace_problems > 0})
+        workers = [EvalWorker.options(num_cpus=cfg.cpus_per_worker, num_gpus=gpus).remote(engine)
+                   for _ in range(min(n, len(units)))]
         rows = len(cfg.pairs())
         bars = {}
         for pos, b in enumerate(problems):
@@ -160,7 +161,8 @@ def parser() -> argparse.ArgumentParser:
 def load_with_flags(args: argparse.Namespace) -> SweepConfig:
     """The sweep YAML with `--set` items; --output-dir/--workers/--device are shorthands for sets, --limit sets
     every benchmark's limit."""
-    sets = [f"{k}={getattr(args, k)}" for k in ("output_dir", "workers", "device") if getattr(args, k) is not None]
+    sets = [f"{k}={getattr(args, k)}" for k in ("output_dir", "workers") if getattr(args, k) is not None]
+    sets += [f"engine.device={args.device}"] if args.device is not None else []
     data = apply_sets(read_yaml(resolve_path(args.sweep)), [*sets, *args.sets])
     if args.limit is not None:
         data["benchmarks"] = [{**b, "limit": args.limit} for b in data.get("benchmarks", [])]

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.decoder import Delta, EngineHost
 from actors.tp_worker import ModelSpec
-from mbd.config import DecodeConfig, ModelConfig, read_json
+from mbd.config import DecodeConfig, EngineConfig, ModelConfig, read_json
 from mbd.detokenize import TextStream
 from mbd.tokenizer import Tokenizer, TokenizerError
 from serve_app.config import DEFAULT_MAX_BODY, ServeConfig, load_serve_config
@@ -56,9 +56,9 @@ class Decoder:
     """Engine host replica: streams each request's committed blocks. With `per_block=False` they are merged into
     one final Delta, so a non-streaming request costs one Ray stream item instead of one per block."""
 
-    def __init__(self, spec: ModelSpec, decode: DecodeConfig):
+    def __init__(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig):
         self.metrics = DecoderMetrics()
-        self.host = EngineHost(spec, decode, on_step=self.metrics.update)
+        self.host = EngineHost(spec, decode, engine, on_step=self.metrics.update)
 
     async def generate(self, prompt_ids: list[int], params: DecodeConfig, per_block: bool = True
                        ) -> AsyncIterator[Delta]:
@@ -677,7 +677,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         health_check_period_s=dec.health_check_period_s,
         health_check_timeout_s=dec.health_check_timeout_s,
         logging_config={"enable_access_log": False},  # an internal hop: the ingress logs the HTTP request
-    ).bind(spec, cfg.decode)
+    ).bind(spec, cfg.decode, cfg.engine)
     ing = cfg.ingress
     return OpenAIIngress.options(
         num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,

@@ -7,12 +7,13 @@ scaling knobs and the HTTP front door. Bad values fail at `mbd serve` time, nami
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import Field, model_validator
 
 from actors.tp_worker import ModelSpec
-from mbd.config import DecodeConfig, StrictModel, load_yaml
+from mbd.config import DecodeConfig, EngineConfig, StrictModel, load_yaml
 
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
@@ -66,12 +67,20 @@ class HTTPSpec(StrictModel):
 
 class ServeConfig(StrictModel):
     model: ModelSpec
+    engine: EngineConfig = EngineConfig()
     decode: DecodeConfig = DecodeConfig()
     limits: RequestLimits = RequestLimits()
     decoder: DecoderDeployment = DecoderDeployment()
     ingress: IngressDeployment = IngressDeployment()
     http: HTTPSpec = HTTPSpec()
 
+    @model_validator(mode="after")
+    def _devices(self) -> "ServeConfig":
+        if self.engine.device == "cuda" and self.model.num_gpus_per_rank < 1:
+            raise ValueError("engine.device cuda needs model.num_gpus_per_rank: 1 (one GPU per tensor-parallel rank)")
+        return self
 
-def load_serve_config(path: str | Path) -> ServeConfig:
-    return load_yaml(path, ServeConfig)
+
+def load_serve_config(path: str | Path, sets: Sequence[str] = ()) -> ServeConfig:
+    """The serve YAML with `--set` overrides (`--set engine.attention=flex`)."""
+    return load_yaml(path, ServeConfig, sets=sets)

@@ -25,6 +25,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model-path", help="override model.path")
     p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else start a local one)")
     p.add_argument("--name", default="mbd", help="Serve application name")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set engine.attention=flex")
     return p.parse_args(argv)
 
 
@@ -35,7 +37,7 @@ def _stop(*_: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = load_serve_config(args.config)
+        cfg = load_serve_config(args.config, args.sets)
     except ConfigError as e:
         print(f"mbd serve: {e}", file=sys.stderr)
         return 2
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if http.host not in {"127.0.0.1", "localhost", "::1"} and not http.api_key:
         print(f"mbd serve: warning: listening on {http.host} without an API key (set MBD_API_KEY)", file=sys.stderr)
 
+    print(f"mbd serve: {cfg.engine.summary()}", flush=True)
     import ray
     from ray import serve
 
