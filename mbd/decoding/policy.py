@@ -109,6 +109,8 @@ class Sampler:
 
 
 class Policy:
+    token_merge = False  # DMax's soft input for just-filled tokens (`DMaxPolicy`)
+
     def __init__(self, block_size: int, mask_token_id: int):
         self.block = block_size
         self.mask_id = mask_token_id
@@ -219,11 +221,15 @@ class DMaxPolicy(Policy):
       so a block whose masks were all filled confidently commits in the same step.
 
     The engine carries per-slot counts as integers; the all-confident flag travels packed into the revised
-    count (revised + (B + 1) * confident), unpacked by `counts`. Not reproduced: DMax's soft-embedding input
-    ("token merge": a token filled in the previous step enters as a confidence-weighted mix of its embedding
-    and the mask embedding) needs a model input hook; tokens enter as hard ids."""
+    count (revised + (B + 1) * confident), unpacked by `counts`.
+
+    Token merge (`token_merge`): a token M2T filled in a step enters the next forward as the confidence-weighted
+    mix of its embedding and the mask embedding (`mbd.model.base.merge_embeddings`, weight = the confidence it was
+    accepted with); every other position (revised or older tokens, masks, the prompt) enters as itself, as the
+    authors' fast path gives those confidence 1. The weights live in `BatchBuffers.token_conf`."""
 
     DMAX_CONFIDENT = 0.9
+    token_merge = True
 
     def update(self, logits: torch.Tensor, tokens: torch.Tensor, state: torch.Tensor, tau_m2t: torch.Tensor,
                semi_max_masked: torch.Tensor, fixed: torch.Tensor | None = None, tau_t2t: torch.Tensor | None = None,

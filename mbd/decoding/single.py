@@ -22,7 +22,7 @@ class SingleBD(Reference):
         prompt = list(prompt_ids)
         B, dev = self.block, self.device
         p, committed, cache, block = self.start(prompt)
-        gen = self.generator(p)
+        gen, self.merge = self.generator(p), None
         nfe = 0
         while True:
             start, final = len(committed), False
@@ -46,3 +46,4 @@ class SingleBD(Reference):
             if nfe >= p.max_nfe:
                 return self.finalize(p, committed, len(prompt), nfe, "max_nfe", [])
             block = torch.full((1, B), self.mask_id, device=dev)
+            self.merge = None
