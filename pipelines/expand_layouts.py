@@ -25,10 +25,11 @@ order or sharding (file names and row order inside the shards may differ). Exact
 the same seq_id and therefore the same noise: deduplicate upstream if that matters.
 
 Run:
-    python -m pipelines.expand_layouts --config configs/expand/x.yaml        # local ray.init()
+    python -m pipelines.expand_layouts --config configs/expand/x.yaml        # a local cluster of its own
     mbd expand --config configs/expand/x.yaml --epoch 1                       # flags override YAML
     ray job submit --working-dir . -- python -m pipelines.expand_layouts --config configs/expand/x.yaml
-`ray.init()` joins the cluster named by RAY_ADDRESS (set by `ray job submit`) or starts a local one.
+It joins the cluster named by RAY_ADDRESS (set by `ray job submit`), else starts a local one of its own
+(`pipelines/ray_session.py`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from mbd.multitf.corrupt import ROW_SCHEMA
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
 from mbd.multitf.rows import LayoutSection, TokenizedSequence, sequence_rows
 from mbd.multitf.schedulers import SchedulerConfig, SchedulerName, build_scheduler
+from pipelines.ray_session import init_ray, ray_cluster
 
 __all__ = ["run_expand", "ExpandConfig", "ExpandSummary", "main"]  # what other pipelines may use
 
@@ -240,9 +242,9 @@ def expand_batch(batch: pa.Table, *, cfg_json: str, block_size: int, mask_token_
 
 
 def run_expand(cfg: ExpandConfig) -> ExpandSummary:
-    """Run the expansion job on the current Ray cluster (ray.init() if none is connected)."""
+    """Run the expansion job on the current Ray cluster (`init_ray` if none is connected)."""
     if not ray.is_initialized():
-        ray.init()
+        init_ray()
     _, model_cfg = load_tokenizer(cfg.model_dir)
     block_size = cfg.block_size or model_cfg.block_size
     start = time.perf_counter()
@@ -308,7 +310,9 @@ def config_from_args(argv: Sequence[str] | None) -> ExpandConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    summary = run_expand(config_from_args(argv))
+    cfg = config_from_args(argv)
+    with ray_cluster():
+        summary = run_expand(cfg)
     print(summary.model_dump_json(indent=2))
     return 0
 

@@ -54,7 +54,7 @@ from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
 from mbd.multitf.rows import TokenizedSequence, redraw_columns
 from mbd.plan_check import check_train
 from mbd.train_config import TrainConfig
-from pipelines.ray_session import ray_session
+from pipelines.ray_session import init_ray, ray_session
 
 __all__ = ["run_train", "TrainSummary", "main"]  # what other pipelines may use
 
@@ -357,7 +357,7 @@ def one_time_note(cfg: TrainConfig) -> str:
 
 
 def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
-    """Run (or resume) a training run on the current Ray cluster (ray.init() if none is connected)."""
+    """Run (or resume) a training run on the current Ray cluster (`init_ray` if none is connected)."""
     from pipelines.export import export_checkpoint
 
     cfg = absolute_paths(cfg)
@@ -365,7 +365,7 @@ def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
         raise ConfigError(f"model_path: {cfg.model_path} has no config.json (an HF-format model directory)")
     mcfg = ModelConfig.from_hf(read_json(Path(cfg.model_path) / "config.json"))
     if not ray.is_initialized():
-        ray.init()
+        init_ray()
     start = time.perf_counter()
     datasets, sequences, probe_rows, skipped = prepare_data(cfg, mcfg)
     progress = Progress.remote()

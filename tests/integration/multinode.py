@@ -27,9 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-import psutil
-
 from actors.tp_worker import free_port
+from pipelines.process_tree import descendants, end_processes
 
 MB = 1024**2
 
@@ -55,35 +54,6 @@ def _free_port_not_reserved() -> int:
     from pipelines.ray_session import dashboard_port
 
     return dashboard_port()  # a free port that none of Ray's fixed default ports is
-
-
-def descendants(pids: list[int]) -> list[psutil.Process]:
-    """The live processes among `pids` and all their descendants."""
-    out: dict[int, psutil.Process] = {}
-    for pid in pids:
-        try:
-            proc = psutil.Process(pid)
-            for p in [proc, *proc.children(recursive=True)]:
-                out[p.pid] = p
-        except psutil.NoSuchProcess:
-            continue
-    return list(out.values())
-
-
-def end_processes(procs: list[psutil.Process], grace_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL whatever is still alive after `grace_s` (exactly these processes, by pid)."""
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace_s)
 
 
 class LocalCluster:
@@ -136,7 +106,7 @@ class LocalCluster:
         """End a worker node's raylet and everything under it (its workers die with it: a lost node)."""
         procs = descendants(self._pids(node))
         self.cluster.remove_node(node, allow_graceful=graceful)
-        end_processes([p for p in procs if p.is_running()])
+        end_processes(procs)
 
     @property
     def worker_nodes(self) -> list:
@@ -171,7 +141,7 @@ class LocalCluster:
         for node in [n for n in nodes if n is not self.cluster.head_node] + [self.cluster.head_node]:
             if node is not None:
                 node.kill_all_processes(check_alive=False, allow_graceful=True, wait=True)
-        end_processes([p for p in procs if p.is_running()])
+        end_processes(procs)
         self.cluster = None
 
     @staticmethod
