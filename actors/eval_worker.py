@@ -1,4 +1,5 @@
 """Decoder actor of an evaluation sweep: one per GPU (or a CPU share), holding the current model and engine.
+It runs in a bundle of the sweep's placement group (pipelines/sweep_pool.py) and says which node decoded.
 
 Thin on purpose: planning, decoding and scoring live in mbd.eval.sweep; the actor only keeps an EngineCache
 alive between calls so consecutive units of the same (model, config) reuse the loaded weights and engine.
@@ -8,20 +9,17 @@ from __future__ import annotations
 
 import ray
 
-from mbd.config import DecodeConfig
+from mbd.config import DecodeConfig, EngineConfig
 from mbd.eval.prompts import Message
 from mbd.eval.sweep import DecodedUnit, EngineCache, ModelEntry, decode_prompts
 
 
 @ray.remote
 class EvalWorker:
-    def __init__(self, device: str, batch_size: int, trace: bool, torch_threads: int | None = None):
-        if torch_threads is not None:
-            import torch  # here, not at module level: the driver and the scoring tasks never load torch
-
-            torch.set_num_threads(torch_threads)
-        self.engines = EngineCache(device, batch_size, trace)
+    def __init__(self, engine: EngineConfig):
+        self.engines = EngineCache(engine)  # torch threads are set when the first model loads
 
     def decode(self, model: ModelEntry, params: DecodeConfig, prompts: list[list[Message]],
                keep_trace: list[bool]) -> DecodedUnit:
-        return decode_prompts(self.engines.get(model, params), prompts, params, keep_trace)
+        unit = decode_prompts(self.engines.get(model, params), prompts, params, keep_trace)
+        return unit.model_copy(update={"node": ray.get_runtime_context().get_node_id()})

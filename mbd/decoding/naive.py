@@ -135,7 +135,7 @@ class NaiveMultiBD(Reference):
                     cache.commit(0, n_tc * B)
             plan = self.policy.plan(p, n_res=n, pre_tc=n_tc, post_tc=post_tc, filled_last=filled,
                                     unchanged_last=unchanged, eos_seen=eos_committed or stop, nfe=nfe,
-                                    cache_len=len(committed))
+                                    committed=len(committed))
             if plan.finish is not None:
                 return self.finalize(p, committed + running[0].tolist(), len(prompt), nfe, plan.finish, active_counts)
             n_tc = post_tc - n_tc

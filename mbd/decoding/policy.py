@@ -178,13 +178,13 @@ class Policy:
         return k
 
     def plan(self, p: RequestParams, *, n_res: int, pre_tc: int, post_tc: int, filled_last: int,
-             unchanged_last: Kept, eos_seen: bool, nfe: int, cache_len: int) -> Plan:
+             unchanged_last: Kept, eos_seen: bool, nfe: int, committed: int) -> Plan:
         """Host decisions after a forward. n_res / pre_tc: resident / TO_CACHE slots at forward time
         (the pre_tc ones are committed by this forward); post_tc: TO_CACHE slots after the update;
-        filled_last / unchanged_last: counts of the last resident slot (see `counts`); cache_len: committed
+        filled_last / unchanged_last: counts of the last resident slot (see `counts`); committed: committed
         length after this step's commit."""
         left = n_res - pre_tc
-        allowed = cache_len + left * self.block < p.gen_end
+        allowed = committed + left * self.block < p.gen_end
         if post_tc == n_res and (eos_seen or not allowed):
             return Plan("done", False)
         if nfe >= p.max_nfe:

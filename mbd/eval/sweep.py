@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from mbd.config import ConfigError, DecodeConfig, StrictModel, load_yaml, resolve_path, validate
+from mbd.config import ConfigError, DecodeConfig, EngineConfig, StrictModel, load_decode, resolve_path, validate
 from mbd.eval.benchmarks import Kind, Problem, ScoreResult, get_benchmark, list_benchmarks
 from mbd.eval.prompts import Message, chat_messages
 
@@ -90,7 +90,7 @@ class DecodeEntry(StrictModel):
         if path is None:
             raise ConfigError(f"decoding '{self.name}': config has no '{kind}' entry but a {kind} benchmark is "
                               f"swept; add `{kind}: configs/decode/<file>.yaml`")
-        base = load_yaml(resolve_path(path), DecodeConfig)
+        base = load_decode(resolve_path(path))[0]  # the sweep's own `engine:` section runs it
         return validate(DecodeConfig, {**base.model_dump(), **self.overrides}, f"decoding '{self.name}' overrides")
 
 
@@ -142,14 +142,19 @@ class SweepConfig(StrictModel):
     models: list[ModelEntry] = Field(min_length=1)
     decoding: list[DecodeEntry] = Field(min_length=1)
     benchmarks: list[BenchmarkEntry] = Field(min_length=1)
-    batch_size: int = Field(8, ge=1, description="requests decoded together (the engine's max_batch_slots); "
-                                                 "1 gives the paper's single-sample TPS")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description=(
+        "how every decoder actor's engine runs: max_batch_rows = requests decoded together (1 gives the paper's "
+        "single-sample TPS); device auto = cuda when the cluster has GPUs; a model's dtype overrides its dtype"))
     trace_problems: int = Field(8, ge=0, description="problems per (model, config, benchmark) whose engine "
                                                      "traces are kept for the noise/activity panels; 0: none")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
     workers: int | None = Field(None, ge=1, description="decoder actors (default: one per GPU, else 1)")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per decoder actor (its torch threads on CPU)")
     cpus_per_scorer: float = Field(1.0, gt=0, description="CPUs per scoring task (code runs in a sandbox)")
+    scorers: int | None = Field(None, ge=1, description="scoring slots reserved beside the decoders (default: the "
+                                                        "CPUs left free, at least one)")
+    reserve_timeout_s: float = Field(120.0, gt=0, description="how long to wait for busy resources to free up for "
+                                                              "the reservation (a cluster that can never hold it "
+                                                              "fails at once)")
 
     @field_validator("benchmarks", mode="before")
     @classmethod
@@ -231,14 +236,17 @@ class DecodedUnit(BaseModel):
     decoded: list[Decoded]
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    node: str | None = Field(None, description="the cluster node that decoded the unit")
 
 
 class PrefixCacheRecord(BaseModel):
-    """The prefix-cache lookups of one decoded unit of a cell, stored beside the cell's records."""
+    """The prefix-cache lookups of one decoded unit of a cell, and the node that decoded it, stored beside the
+    cell's records."""
 
     problem_ids: list[str]
     query_tokens: int
     hit_tokens: int
+    node: str | None = None
 
 
 def make_record(model: str, config: str, benchmark: str, problem: Problem, decoded: Decoded,
@@ -359,24 +367,25 @@ class EngineCache:
     """One model's weights and the engine of the last decoding configuration: a worker that goes through a
     (model, config) group's units loads the weights once per model and builds one engine per configuration."""
 
-    def __init__(self, device: str = "cpu", batch_size: int = 8, trace: bool = False):
-        self.device, self.batch_size, self.trace = device, batch_size, trace
+    def __init__(self, engine: EngineConfig):
+        self.engine = engine
         self._model: tuple[tuple[str, str], Any] | None = None
         self._engine: tuple[tuple[str, str, str], Engine] | None = None
 
     def get(self, model: ModelEntry, params: DecodeConfig) -> Engine:
-        from mbd.decoding.spec import EngineSpec, build_engine, load_engine_model
+        from mbd.decoding.spec import build_engine, load_engine_model, model_dir
 
-        spec = EngineSpec(path=model.path, device=self.device, dtype=model.dtype, max_batch_slots=self.batch_size)
-        mkey = (str(spec.resolved_path()), model.dtype)
+        engine = self.engine if model.dtype == "auto" else self.engine.model_copy(update={"dtype": model.dtype})
+        path = model_dir(model.path)
+        mkey = (str(path), engine.dtype)
         ekey = (*mkey, params.model_dump_json())
         if self._engine is not None and self._engine[0] == ekey:
             return self._engine[1]
         self._engine = None
         if self._model is None or self._model[0] != mkey:
             self._model = None  # free the previous weights before loading the next
-            self._model = (mkey, load_engine_model(spec))
-        engine = build_engine(spec, params, loaded=self._model[1], trace=self.trace)
+            self._model = (mkey, load_engine_model(path, engine))
+        engine = build_engine(path, params, engine, loaded=self._model[1])
         tok = self._model[1][1]
         # One short request before anything is timed: first-call costs (allocator, kernel selection, CUDA
         # Graph capture) would otherwise land in the first cell's TPS.
@@ -446,7 +455,7 @@ def load_problems(cfg: SweepConfig) -> dict[str, list[Problem]]:
 def plan_units(cfg: SweepConfig, problems: Mapping[str, list[Problem]], store: ResultStore,
                exemplars: Mapping[str, list[Problem]]) -> tuple[list[Unit], int]:
     """The units still to decode (stored problem ids are skipped) and the number of problems skipped."""
-    units, skipped, size = [], 0, cfg.batch_size * BATCHES_PER_UNIT
+    units, skipped, size = [], 0, cfg.engine.max_batch_rows * BATCHES_PER_UNIT
     for cell in cells(cfg):
         done = store.load(cell.model.name, cell.decode.name, cell.benchmark)
         todo = [(i, p) for i, p in enumerate(problems[cell.benchmark]) if p.problem_id not in done]
@@ -470,6 +479,10 @@ class WorkQueue:
 
     def __len__(self) -> int:
         return sum(map(len, self._groups.values()))
+
+    def requeue(self, unit: Unit) -> None:
+        """Put back a unit whose decoding was lost (its worker died): it is handed out next."""
+        self._groups.setdefault(unit.key, deque()).appendleft(unit)
 
     def pop(self, prefer: tuple[str, str, str] | None = None) -> Unit | None:
         if not self._groups:

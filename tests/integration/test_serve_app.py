@@ -24,8 +24,8 @@ TIMEOUT = httpx.Timeout(120.0)
 
 def _config(ckpt, tp: int, slots: int, decoder: dict, http: dict | None = None) -> ServeConfig:
     return ServeConfig.model_validate({
-        "model": {"path": str(ckpt), "name": MODEL, "tensor_parallel_size": tp, "max_batch_slots": slots,
-                  "num_cpus_per_rank": 0.1, "torch_threads": 1},
+        "model": {"path": str(ckpt), "name": MODEL, "tensor_parallel_size": tp, "num_cpus_per_rank": 0.1},
+        "engine": {"max_batch_rows": slots, "threads": 1},
         "decode": DECODE.model_dump(),
         "limits": {"default_max_tokens": 16},
         "decoder": decoder | {"health_check_period_s": 2, "health_check_timeout_s": 30},

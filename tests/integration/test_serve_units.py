@@ -11,7 +11,7 @@ import torch
 from actors.decoder import EngineDead, EngineHost
 from actors.tp_worker import ModelSpec
 from mbd.config import ConfigError, DecodeConfig, ModelConfig
-from mbd.decoding import Engine
+from mbd.decoding import Engine, EngineConfig
 from mbd.model import build_model, load_checkpoint, save_checkpoint
 from mbd.tiny.vocab import save_tokenizer, special_token_ids, vocab
 from mbd.tokenizer import Tokenizer
@@ -59,7 +59,7 @@ def test_serve_configs_load(path):
     assert cfg.http.host == "127.0.0.1"  # loopback unless the operator opts out
     assert cfg.decode.buffer_size >= 1
     if cfg.model.tensor_parallel_size > 1:
-        assert cfg.model.device == "cuda" and cfg.model.num_gpus_per_rank == 1
+        assert cfg.engine.device == "cuda" and cfg.model.num_gpus_per_rank == 1
 
 
 def test_tiny_config_points_at_embedded_model():
@@ -102,8 +102,8 @@ def test_engine_host_matches_engine_and_aborts_on_early_exit(ckpt, tok):
     model, _ = load_checkpoint(ckpt)
     ids = tok.encode("12+7=")
     params = DECODE.model_copy(update={"max_new_tokens": 24})
-    want = Engine(model, tok, DECODE, max_batch_slots=2).generate([ids], params)[0]
-    host = EngineHost(ModelSpec(path=str(ckpt), max_batch_slots=2), DECODE)
+    want = Engine(model, tok, DECODE, EngineConfig(max_batch_rows=2)).generate([ids], params)[0]
+    host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
     try:
         deltas = asyncio.run(_collect(host, ids, params))
         assert [t for d in deltas for t in d.token_ids] == want.token_ids
@@ -121,7 +121,7 @@ def test_engine_host_matches_engine_and_aborts_on_early_exit(ckpt, tok):
 
 
 def test_engine_host_refuses_bad_request_without_dying(ckpt, tok):
-    host = EngineHost(ModelSpec(path=str(ckpt), max_batch_slots=2), DECODE)
+    host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
     try:
         with pytest.raises(ValueError, match="buffer_size"):
             host.validate(tok.encode("1+1="), DECODE.model_copy(update={"buffer_size": 3}))
@@ -137,7 +137,7 @@ def test_engine_host_refuses_bad_request_without_dying(ckpt, tok):
 
 
 def test_engine_loop_death_fails_requests_and_health(ckpt, tok):
-    host = EngineHost(ModelSpec(path=str(ckpt), max_batch_slots=2), DECODE)
+    host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
     host._inbox.put(("add", "poison", None, DECODE))  # bypasses validation: the engine raises TypeError
     host._thread.join(timeout=10)
     with pytest.raises(EngineDead):
@@ -181,7 +181,7 @@ def test_ignore_eos_decodes_past_eos(tmp_path):
     model, cfg = load_checkpoint(ck)
     eos = torch.tensor([cfg.eos_token_id])
     model.lm_head.register_forward_hook(lambda _m, _i, out: out.index_fill(-1, eos, 1e4))
-    engine = Engine(model, Tokenizer.from_dir(ck, cfg), DECODE, max_batch_slots=2)
+    engine = Engine(model, Tokenizer.from_dir(ck, cfg), DECODE, EngineConfig(max_batch_rows=2))
     ids = engine.tokenizer.encode("1+1=")
     plain = engine.generate([ids], {"max_new_tokens": 12})[0]
     forced = engine.generate([ids], {"max_new_tokens": 12, "ignore_eos": True})[0]
