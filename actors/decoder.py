@@ -23,7 +23,8 @@ import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.tp_worker import Lockstep, ModelSpec, Op, TPWorker, free_port, init_tp
-from mbd.config import DecodeConfig
+from actors.trace import Trace
+from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.engine import Engine, StepOutput
 from mbd.decoding.spec import build_engine
 
@@ -54,15 +55,32 @@ class Delta:
 
 @dataclass
 class _Stream:
+    """One request's way back to its handler. With per_block=False the engine thread merges its blocks and
+    hands over only the finished whole, so a non-streaming request costs its event loop one wake-up."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    per_block: bool = True
+    held: Delta | None = None  # merged blocks not yet handed over (per_block=False)
+    committed: int = 0  # tokens committed so far
 
-    def send(self, item: "Delta | BaseException") -> None:
-        """Called from the engine thread; a closed event loop (replica shutting down) just drops the item."""
+
+def _hand_over(items: list[tuple[_Stream, "Delta | BaseException"]]) -> None:
+    """Deliver a step's items to their handlers with one thread-safe call per event loop (each call wakes the
+    loop and takes the GIL from the engine thread); a closed loop (replica shutting down) drops them."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for s, item in items:
+        by_loop.setdefault(s.loop, []).append((s.queue, item))
+    for loop, batch in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            loop.call_soon_threadsafe(_put_all, batch)
         except RuntimeError:
             pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, "Delta | BaseException"]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 def engine_stats(engine: Engine, in_engine: int) -> dict[str, float]:
@@ -70,17 +88,18 @@ def engine_stats(engine: Engine, in_engine: int) -> dict[str, float]:
     request holds, pages free or cached), prefix-cache hit rate (prompt tokens served from cached pages) and
     preemptions so far."""
     s, kv = engine.stats, engine.kv
-    return {"in_engine": in_engine, "free_slots": engine.num_free_slots(), "steps": s.steps, "step_s": s.step_s,
+    return {"in_engine": in_engine, "free_slots": engine.num_free_rows(), "steps": s.steps, "step_s": s.step_s,
             "kv_pages_used": kv.used(), "kv_pages_free": kv.available(), "prefix_hit_rate": s.prefix_hit_rate,
             "prefix_hit_tokens": s.prefix_hit_tokens, "preemptions": s.preemptions}
 
 
 class EngineHost:
-    def __init__(self, spec: ModelSpec, decode: DecodeConfig, on_step: Callable[[dict[str, float]], None] | None = None,
-                 startup_timeout_s: float = 600.0):
+    def __init__(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig,
+                 on_step: Callable[[dict[str, float]], None] | None = None, startup_timeout_s: float = 600.0):
         """on_step: called from the engine loop with `engine_stats(...)` after steps, at most every ON_STEP_S."""
         self.spec = spec
         self.decode = decode
+        self.engine = engine
         self._on_step = on_step
         self._inbox: queue.SimpleQueue[Op] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -89,6 +108,7 @@ class EngineHost:
         self._ready = threading.Event()
         self._lockstep: Lockstep | None = None
         self.num_aborted = 0
+        self.trace = Trace("decoder")
         world = spec.tensor_parallel_size
         addr, port = (ray.util.get_node_ip_address(), free_port("")) if world > 1 else ("", 0)
         self._workers = [self._start_worker(r, addr, port) for r in range(1, world)]
@@ -106,24 +126,36 @@ class EngineHost:
             num_cpus=self.spec.num_cpus_per_rank, num_gpus=self.spec.num_gpus_per_rank,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
         ).remote()
-        return actor, actor.run.remote(self.spec, self.decode, rank, addr, port)
+        return actor, actor.run.remote(self.spec, self.decode, self.engine, rank, addr, port)
 
     # ---- engine thread ----
 
     def _main(self, addr: str, port: int) -> None:
         try:
-            tp, ctrl = init_tp(self.spec, 0, addr, port)
+            tp, ctrl = init_tp(self.spec, self.engine, 0, addr, port)
             with torch.inference_mode():
-                lock = self._lockstep = Lockstep(build_engine(self.spec, self.decode, tp), tp.world, ctrl)
+                engine = build_engine(self.spec.resolved_path(), self.decode, self.engine, tp)
+                lock = self._lockstep = Lockstep(engine, tp.world, ctrl)
                 self._ready.set()
                 reported = 0.0
                 while True:
-                    ops = lock.exchange(self._drain(block=not lock.engine.has_unfinished()))
-                    for rid, reason in lock.apply(ops):
+                    idle = not lock.engine.has_unfinished()
+                    t = time.perf_counter()
+                    ops = lock.exchange(self._drain(block=idle))
+                    if idle:
+                        self.trace.mark("-", "idle", time.perf_counter() - t)
+                    refused = dict(lock.apply(ops))
+                    for rid, reason in refused.items():
                         self._fail(rid, ValueError(f"request refused by the engine: {reason}"))
+                    for op in ops:
+                        if op[0] == "add" and op[1] not in refused:
+                            self.trace.mark(op[1], "admit")
                     if lock.stopped:
                         break
-                    self._publish(lock.step())
+                    t = time.perf_counter()
+                    outs = lock.step()
+                    self.trace.mark("-", "step", time.perf_counter() - t)
+                    self._publish(outs)
                     if self._on_step is not None and time.monotonic() - reported >= ON_STEP_S:
                         reported = time.monotonic()
                         self._on_step(engine_stats(lock.engine, len(lock.live)))
@@ -144,27 +176,36 @@ class EngineHost:
             return ops
 
     def _publish(self, outs: Sequence[StepOutput]) -> None:
+        items = []
         for o in outs:
             if not (o.new_token_ids or o.finished):
                 continue
             with self._lock:
                 s = self._streams.pop(o.request_id, None) if o.finished else self._streams.get(o.request_id)
-            if s is not None:
-                s.send(Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated,
-                             o.new_logprobs))
+            if s is None:
+                continue
+            s.committed += len(o.new_token_ids)
+            self.trace.mark(o.request_id, "commit", s.committed)
+            d = Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated, o.new_logprobs)
+            if not s.per_block:
+                d = s.held.merge(d) if s.held is not None else d
+                if not o.finished:
+                    s.held = d
+                    continue
+            items.append((s, d))
+        _hand_over(items)
 
     def _fail(self, rid: str, e: BaseException) -> None:
         with self._lock:
             s = self._streams.pop(rid, None)
         if s is not None:
-            s.send(e)
+            _hand_over([(s, e)])
 
     def _fail_all(self, e: BaseException) -> None:
         with self._lock:
             self._error = e
             streams, self._streams = list(self._streams.values()), {}
-        for s in streams:
-            s.send(EngineDead(f"engine loop failed: {e!r}"))
+        _hand_over([(s, EngineDead(f"engine loop failed: {e!r}")) for s in streams])
 
     # ---- event-loop side ----
 
@@ -195,12 +236,17 @@ class EngineHost:
             return {"streams": len(self._streams), "aborted": self.num_aborted}
         return {"streams": len(self._streams), "aborted": self.num_aborted} | engine_stats(lock.engine, len(lock.live))
 
-    async def generate(self, prompt_ids: list[int], params: DecodeConfig) -> AsyncIterator[Delta]:
-        """Yield merged deltas until the request finishes; leaving early (client gone) aborts it in the engine."""
-        rid = uuid.uuid4().hex
-        s = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+    async def generate(self, prompt_ids: list[int], params: DecodeConfig, rid: str | None = None,
+                       per_block: bool = True) -> AsyncIterator[Delta]:
+        """Yield the blocks committed since the last yield, merged, until the request finishes (per_block=False:
+        one Delta, the whole generation); leaving early (client gone) aborts it in the engine.
+        rid: the request's id in the engine (unique among its live requests; default a fresh uuid)."""
+        rid = rid or uuid.uuid4().hex
+        s = _Stream(asyncio.get_running_loop(), asyncio.Queue(), per_block)
         with self._lock:  # registered under the lock that _fail_all takes: no request can slip past a dying loop
             self.check()
+            if rid in self._streams:
+                raise ValueError(f"request id {rid} is already live")
             self._streams[rid] = s
         self._inbox.put(("add", rid, list(prompt_ids), params))
         finished = False

@@ -33,7 +33,7 @@ from mbd.eval.isolation import UNSAFE_ENV, IsolationUnavailable, require_isolati
 from mbd.eval.report import SweepSummary, write_sweep_report
 from mbd.eval.sweep import (Cell, Decoded, DecodedUnit, PrefixCacheRecord, ResultStore, SweepConfig, Unit, WorkQueue,
                             check_models, load_problems, load_splits, make_record, plan_units, score_completion)
-from pipelines.ray_session import ray_session
+from pipelines.ray_session import init_ray, ray_session
 from pipelines.sweep_pool import DecoderPool
 
 __all__ = ["run_sweep", "main"]  # what other pipelines may use
@@ -71,7 +71,7 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> SweepSummary:
     if units:
         check_models({u.cell.model.name: u.cell.model for u in units}.values())
         if not ray.is_initialized():
-            ray.init()
+            init_ray()
         pool = DecoderPool(cfg, len(units), cfg.reserve_timeout_s)
         rows = len(cfg.pairs())
         bars = {}

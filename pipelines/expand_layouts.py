@@ -25,10 +25,11 @@ order or sharding (file names and row order inside the shards may differ). Exact
 the same seq_id and therefore the same noise: deduplicate upstream if that matters.
 
 Run:
-    python -m pipelines.expand_layouts --config configs/expand/x.yaml        # local ray.init()
+    python -m pipelines.expand_layouts --config configs/expand/x.yaml        # a local cluster of its own
     mbd expand --config configs/expand/x.yaml --epoch 1                       # flags override YAML
     ray job submit --working-dir . -- python -m pipelines.expand_layouts --config configs/expand/x.yaml
-`ray.init()` joins the cluster named by RAY_ADDRESS (set by `ray job submit`) or starts a local one.
+It joins the cluster named by RAY_ADDRESS (set by `ray job submit`), else starts a local one of its own
+(`pipelines/ray_session.py`).
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ import pyarrow.parquet as pq
 import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mbd import storage
 from mbd.config import apply_sets, read_yaml, validate
 from mbd.multitf.corrupt import ROW_SCHEMA
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
 from mbd.multitf.rows import LayoutSection, TokenizedSequence, sequence_rows
 from mbd.multitf.schedulers import SchedulerConfig, SchedulerName, build_scheduler
+from pipelines.ray_session import init_ray, ray_cluster
 
 __all__ = ["run_expand", "ExpandConfig", "ExpandSummary", "main"]  # what other pipelines may use
 
@@ -67,7 +70,7 @@ class ExpandConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     inputs: list[str] = Field(min_length=1, description="JSONL/Parquet files or directories")
-    output_dir: str
+    output_dir: str = Field(description="a local directory or a filesystem URI every node sees (file://, s3://, ...)")
     model_dir: str = Field(description="directory with config.json and tokenizer.json")
     block_size: int | None = Field(default=None, gt=0, description="B; default: the model's block_size")
     max_length: int = Field(default=2048, gt=0, description="padded prompt + response tokens")
@@ -240,9 +243,9 @@ def expand_batch(batch: pa.Table, *, cfg_json: str, block_size: int, mask_token_
 
 
 def run_expand(cfg: ExpandConfig) -> ExpandSummary:
-    """Run the expansion job on the current Ray cluster (ray.init() if none is connected)."""
+    """Run the expansion job on the current Ray cluster (`init_ray` if none is connected)."""
     if not ray.is_initialized():
-        ray.init()
+        init_ray()
     _, model_cfg = load_tokenizer(cfg.model_dir)
     block_size = cfg.block_size or model_cfg.block_size
     start = time.perf_counter()
@@ -254,19 +257,20 @@ def run_expand(cfg: ExpandConfig) -> ExpandSummary:
     good = tokenized.map_batches(select, batch_format="pyarrow", fn_kwargs=dict(bad=False))
     bad = tokenized.map_batches(select, batch_format="pyarrow", fn_kwargs=dict(bad=True)).materialize()
 
-    out = Path(cfg.output_dir)
-    rows_dir, quarantine_dir = out / "rows", out / "quarantine"
+    # output_dir: a local path or a URI every node sees (mbd/storage.py); Ray Data writes through its filesystem
+    rows_dir, quarantine_dir = storage.join(cfg.output_dir, "rows"), storage.join(cfg.output_dir, "quarantine")
+    fs, rows_path = storage.filesystem(rows_dir)
     good.map_batches(
         expand_batch, batch_format="pyarrow", batch_size=cfg.sequences_per_task,
         fn_kwargs=dict(cfg_json=cfg.model_dump_json(), block_size=block_size, mask_token_id=model_cfg.mask_token_id),
-    ).write_parquet(str(rows_dir))
+    ).write_parquet(rows_path, filesystem=fs)
     quarantined = bad.count()
     reasons = Counter(r for b in bad.select_columns(["reason"]).iter_batches(batch_format="pyarrow")
                       for r in b.column("reason").to_pylist())
     if quarantined:
-        bad.write_json(str(quarantine_dir))
+        bad.write_json(storage.filesystem(quarantine_dir)[1], filesystem=fs)
     elapsed = time.perf_counter() - start
-    rows_out = sum(pq.ParquetFile(f).metadata.num_rows for f in rows_dir.glob("*.parquet"))
+    rows_out = sum(pq.ParquetFile(f, filesystem=fs).metadata.num_rows for f in storage.list_files(rows_dir, ".parquet"))
     sequences_in = tokenized.count()
     return ExpandSummary(
         sequences_in=sequences_in, sequences_ok=sequences_in - quarantined, quarantined=quarantined,
@@ -308,7 +312,9 @@ def config_from_args(argv: Sequence[str] | None) -> ExpandConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    summary = run_expand(config_from_args(argv))
+    cfg = config_from_args(argv)
+    with ray_cluster():
+        summary = run_expand(cfg)
     print(summary.model_dump_json(indent=2))
     return 0
 

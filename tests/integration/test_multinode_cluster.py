@@ -4,10 +4,10 @@ and the driver is back on the session's cluster afterwards."""
 
 import time
 
-import psutil
 import pytest
 
-from tests.integration.multinode import LocalCluster, descendants
+from pipelines.process_tree import descendants, still_running
+from tests.integration.multinode import LocalCluster
 
 
 def _record():
@@ -45,8 +45,7 @@ def test_tasks_spread_over_nodes_a_node_leaves_and_shutdown_ends_only_its_proces
     assert len(ours) >= 3 * 2  # each node: a raylet and its workers/agents at least
     cluster.shutdown()
     assert not ray.is_initialized() and _record() != address
-    left = [p.pid for p in ours if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert left == []
+    assert still_running(ours) == []
 
 
 def test_driver_is_back_on_the_session_cluster(ray_cluster):

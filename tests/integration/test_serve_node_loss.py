@@ -23,8 +23,8 @@ MAX_TOKENS = 24
 
 def _config(ckpt) -> ServeConfig:
     return ServeConfig.model_validate({
-        "model": {"path": str(ckpt), "name": "mbd-test", "max_batch_slots": 4, "num_cpus_per_rank": 1,
-                  "torch_threads": 1},
+        "model": {"path": str(ckpt), "name": "mbd-test", "num_cpus_per_rank": 1},
+        "engine": {"device": "cpu", "threads": 1, "max_batch_rows": 4},
         "decode": DECODE.model_dump(),
         "decoder": {"max_ongoing_requests": 8, "max_queued_requests": 64, "retry_after_s": 1,
                     "autoscaling": {"min_replicas": 2, "max_replicas": 2},

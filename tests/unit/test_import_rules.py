@@ -1,9 +1,10 @@
 """The layering rules, read from the source with `ast` (nothing is imported, so a rule broken inside a function
 body counts too):
 - the core `mbd/` is plain PyTorch: it never imports Ray, FastAPI, DeepSpeed or the project's outer layers;
-- a pipeline uses another pipeline only through that module's public surface, the names it lists in `__all__`
-  (its `run_*` entry point and config models); `pipelines/stages.py` and `pipelines/ray_session.py` are shared
-  libraries of the pipelines, usable by any public name.
+- the sandboxed child's files (`mbd/eval/sandbox_child.py`, `value_codec.py`) import only the standard library;
+- a pipeline (a module an `mbd` command runs, `pipelines/cli.py`) uses another pipeline only through the names
+  it lists in `__all__` (its `run_*` entry point and config models); the other modules of `pipelines/` are
+  libraries the pipelines share (`stages.py`, `ray_session.py`, ...), usable by any public name.
 """
 
 import ast
@@ -13,7 +14,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE_FORBIDDEN = ("ray", "fastapi", "starlette", "deepspeed", "pipelines", "actors", "serve_app", "benchmarks")
-SHARED_PIPELINE_MODULES = {"pipelines.stages", "pipelines.ray_session"}
 
 
 def module_name(path: Path) -> str:
@@ -52,6 +52,14 @@ def top_level_names(path: Path) -> set[str]:
     return names
 
 
+def command_modules() -> set[str]:
+    """The modules `mbd <command>` runs, read from the literal SUBCOMMANDS table of pipelines/cli.py."""
+    for node in ast.parse((ROOT / "pipelines" / "cli.py").read_text()).body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "SUBCOMMANDS":
+            return {module for module, _ in ast.literal_eval(node.value).values()}
+    raise AssertionError("pipelines/cli.py has no SUBCOMMANDS table")
+
+
 def cross_pipeline_violations(path: Path, source: str) -> list[str]:
     me = module_name(path)
     bad = []
@@ -61,7 +69,7 @@ def cross_pipeline_violations(path: Path, source: str) -> list[str]:
         where = f"{path.relative_to(ROOT)}:{line}"
         if not names:
             bad.append(f"{where}: `import {module}` (import its public names instead)")
-        elif module in SHARED_PIPELINE_MODULES:
+        elif module not in command_modules():
             bad += [f"{where}: private {module}.{n}" for n in names if n.startswith("_")]
         else:
             public = declared_all(ROOT / Path(*module.split(".")).with_suffix(".py")) or set()
@@ -98,3 +106,14 @@ def test_the_rule_catches_a_private_import(source, expected):
     and a private name of a shared module are caught; a lazy import of an entry point is allowed."""
     found = cross_pipeline_violations(ROOT / "pipelines" / "probe.py", source)
     assert len(found) == len(expected) and all(e in f for e, f in zip(expected, found))
+
+
+def test_the_sandboxed_childs_files_import_only_the_standard_library():
+    """The child runs in a view without the repository: its runtime and the codec it loads by path may import
+    nothing else (the codec imports numpy only to decode numpy values, which exist only where numpy does)."""
+    import sys
+
+    for name, allowed in (("sandbox_child.py", set()), ("value_codec.py", {"numpy"})):
+        source = (ROOT / "mbd" / "eval" / name).read_text()
+        outside = {m for _, m, _ in imports(source) if m.split(".")[0] not in sys.stdlib_module_names} - allowed
+        assert outside == set(), f"{name} imports {outside}"
