@@ -211,6 +211,9 @@ class Decoded(BaseModel):
     trace: list[dict] | None = None
 
 
+TPF_COUNTING = 2  # see ItemRecord.counting
+
+
 class ItemRecord(BaseModel):
     """One problem of one (model, config, benchmark) cell: the completion, its verdict and its decoding cost."""
 
@@ -227,6 +230,9 @@ class ItemRecord(BaseModel):
     step_latency_ms: float
     finish_reason: str
     detail: str = ""
+    counting: int = Field(default=TPF_COUNTING, description=(
+        "TPF counting of nfe / num_generated: 2 = the authors' (the last block's store forward counted, the stop "
+        "token not); 1 = before (stored records without the field). A resumed sweep decodes other countings again"))
 
 
 class DecodedUnit(BaseModel):
@@ -276,9 +282,10 @@ class ResultStore:
         return self.root / kind / model / config / f"{benchmark}.jsonl"
 
     def load(self, model: str, config: str, benchmark: str) -> dict[str, ItemRecord]:
-        """Stored records by problem id (the last one wins)."""
-        return {r.problem_id: r for r in map(ItemRecord.model_validate,
-                                             self._read(self.path(model, config, benchmark)))}
+        """Stored records by problem id (the last one wins), of the current TPF counting only."""
+        rows = self._read(self.path(model, config, benchmark))
+        records = map(ItemRecord.model_validate, ({"counting": 1, **row} for row in rows))
+        return {r.problem_id: r for r in records if r.counting == TPF_COUNTING}
 
     def append(self, record: ItemRecord) -> None:
         self._append(self.path(record.model, record.config, record.benchmark), record.model_dump())
