@@ -211,7 +211,7 @@ class Decoded(BaseModel):
     trace: list[dict] | None = None
 
 
-TPF_COUNTING = 2  # see ItemRecord.counting
+TPF_COUNTING = 2  # ItemRecord.counting: 2 = the authors' (the last store forward counted, the stop token not)
 
 
 class ItemRecord(BaseModel):
@@ -230,9 +230,7 @@ class ItemRecord(BaseModel):
     step_latency_ms: float
     finish_reason: str
     detail: str = ""
-    counting: int = Field(default=TPF_COUNTING, description=(
-        "TPF counting of nfe / num_generated: 2 = the authors' (the last block's store forward counted, the stop "
-        "token not); 1 = before (stored records without the field). A resumed sweep decodes other countings again"))
+    counting: int = TPF_COUNTING  # 1: stored before the field existed; a resumed sweep decodes such records again
 
 
 class DecodedUnit(BaseModel):
@@ -283,9 +281,8 @@ class ResultStore:
 
     def load(self, model: str, config: str, benchmark: str) -> dict[str, ItemRecord]:
         """Stored records by problem id (the last one wins), of the current TPF counting only."""
-        rows = self._read(self.path(model, config, benchmark))
-        records = map(ItemRecord.model_validate, ({"counting": 1, **row} for row in rows))
-        return {r.problem_id: r for r in records if r.counting == TPF_COUNTING}
+        rows = ({"counting": 1, **row} for row in self._read(self.path(model, config, benchmark)))
+        return {r.problem_id: r for r in map(ItemRecord.model_validate, rows) if r.counting == TPF_COUNTING}
 
     def append(self, record: ItemRecord) -> None:
         self._append(self.path(record.model, record.config, record.benchmark), record.model_dump())
