@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.tp_worker import Lockstep, ModelSpec, Op, TPWorker, free_port, init_tp
-from actors.trace import mark
+from actors.trace import Trace
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.engine import Engine, StepOutput
 from mbd.decoding.spec import build_engine
@@ -108,6 +108,7 @@ class EngineHost:
         self._ready = threading.Event()
         self._lockstep: Lockstep | None = None
         self.num_aborted = 0
+        self.trace = Trace("decoder")
         world = spec.tensor_parallel_size
         addr, port = (ray.util.get_node_ip_address(), free_port("")) if world > 1 else ("", 0)
         self._workers = [self._start_worker(r, addr, port) for r in range(1, world)]
@@ -142,18 +143,18 @@ class EngineHost:
                     t = time.perf_counter()
                     ops = lock.exchange(self._drain(block=idle))
                     if idle:
-                        mark("-", "idle", time.perf_counter() - t)
+                        self.trace.mark("-", "idle", time.perf_counter() - t)
                     refused = dict(lock.apply(ops))
                     for rid, reason in refused.items():
                         self._fail(rid, ValueError(f"request refused by the engine: {reason}"))
                     for op in ops:
                         if op[0] == "add" and op[1] not in refused:
-                            mark(op[1], "admit")
+                            self.trace.mark(op[1], "admit")
                     if lock.stopped:
                         break
                     t = time.perf_counter()
                     outs = lock.step()
-                    mark("-", "step", time.perf_counter() - t)
+                    self.trace.mark("-", "step", time.perf_counter() - t)
                     self._publish(outs)
                     if self._on_step is not None and time.monotonic() - reported >= ON_STEP_S:
                         reported = time.monotonic()
@@ -184,7 +185,7 @@ class EngineHost:
             if s is None:
                 continue
             s.committed += len(o.new_token_ids)
-            mark(o.request_id, "commit", s.committed)
+            self.trace.mark(o.request_id, "commit", s.committed)
             d = Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated, o.new_logprobs)
             if not s.per_block:
                 d = s.held.merge(d) if s.held is not None else d

@@ -21,14 +21,14 @@ def plan_serve(data: dict, model_override: str | None, memory: DeviceMemory | No
     from mbd.config import DecodeConfig, EngineConfig
 
     model = dict(data.get("model") or {})
-    own_tp = int(model.get("tensor_parallel_size", 1))
-    engine = validate(EngineConfig, data.get("engine") or {}, "engine")
+    own_tp, path = int(model.get("tensor_parallel_size", 1)), str(model.get("path", ""))
+    spec = validate(EngineConfig, data.get("engine") or {}, "engine")
     decode = validate(DecodeConfig, data.get("decode") or {}, "decode")
-    mcfg, source = model_config(model.get("path", ""), model_override)
-    shape = serve_shape(engine, own_tp)
+    mcfg, source = model_config(path, model_override)
+    shape = serve_shape(spec, own_tp)
     memory = memory or device_memory(shape.cuda)
     tps = sorted({1, 2, own_tp}) if shape.cuda else [own_tp]
-    plans = [serve_plan(mcfg, decode, serve_shape(engine, tp), memory) for tp in tps]
+    plans = [serve_plan(mcfg, decode, serve_shape(spec, tp), memory) for tp in tps]
     labels = [f"{'*' if tp == own_tp else ''}TP={tp}, {tp}x {memory.name}" for tp in tps]
     return plans, labels, tps.index(own_tp), source
 

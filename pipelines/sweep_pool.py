@@ -135,6 +135,8 @@ class DecoderPool:
             self.cfg, self.max_decoders, ray.available_resources().get("CPU", 0.0))
         shape = plan_shape(self.cfg, self.device, self.max_decoders, scorers, list(nodes.values()), shrink)
         pg = placement_group(shape.bundles(), strategy="SPREAD", name=f"mbd-eval-{self.cfg.name}")
+        print(f"mbd eval: reserving {shape.describe()} on {len(nodes)} node(s) (at most "
+              f"{self.reserve_timeout_s:g}s)", file=sys.stderr, flush=True)
         try:
             ray.get(pg.ready(), timeout=self.reserve_timeout_s)
         except ray.exceptions.GetTimeoutError:

@@ -10,7 +10,6 @@ from ray import serve
 
 from actors.decoder import Delta, EngineHost
 from actors.tp_worker import ModelSpec
-from actors.trace import mark
 from mbd.config import DecodeConfig, EngineConfig
 from serve_app.metrics import DecoderMetrics
 
@@ -27,7 +26,7 @@ class Decoder:
 
     async def generate(self, prompt_ids: list[int], params: DecodeConfig, per_block: bool = True,
                        rid: str | None = None) -> AsyncIterator[Delta]:
-        mark(rid or "-", "arrive")
+        self.host.trace.mark(rid or "-", "arrive")
         self.host.validate(prompt_ids, params)
         async for d in self.host.generate(prompt_ids, params, rid, per_block):
             yield d

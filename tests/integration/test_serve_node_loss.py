@@ -1,7 +1,8 @@
 """Node loss while serving: on a cluster of a head (the HTTP proxy and the ingress, no CPU) and three 1-CPU worker
 nodes, two decoder replicas (one per node) serve streaming clients over real HTTP; the node of one replica is
 killed mid-stream. Counted: a request may fail only if it was in flight when the node died, and only cleanly
-(a 503 with Retry-After before the stream starts, or an in-band error event that ends the stream); every
+(a 503 with Retry-After before the stream starts, or an in-band error event that ends the stream; a request
+whose replica died before its first block is sent again by the ingress and does not fail); every
 request started after Serve has replaced the replica succeeds; /health answers 200 throughout; the replica is
 replaced on the spare node."""
 

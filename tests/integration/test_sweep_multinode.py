@@ -15,9 +15,9 @@ FAST_DEATH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 
 SAME = ("completion", "correct", "nfe", "num_generated", "finish_reason")  # what decoding decides; timings vary
 
 
-def config(model_dir, out, workers: int) -> SweepConfig:
+def config(ckpt_dir, out, workers: int) -> SweepConfig:
     return SweepConfig(
-        name="mn", output_dir=str(out), models=[{"name": "rand", "path": str(model_dir)}],
+        name="mn", output_dir=str(out), models=[{"name": "rand", "path": str(ckpt_dir)}],
         decoding=[{"name": "single", "config": "configs/decode/tiny_singlebd.yaml",
                    "overrides": {"max_length": 512, "max_new_tokens": 8, "max_nfe": 16}}],
         benchmarks=[{"name": "tinymath", "limit": 64}], engine={"device": "cpu", "max_batch_rows": 2}, trace_problems=0,
