@@ -27,6 +27,7 @@ from actors.trace import Trace
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.engine import Engine, StepOutput
 from mbd.decoding.spec import build_engine
+from mbd.decoding.validate import EngineLimits
 
 ON_STEP_S = 0.5  # metrics are refreshed at most this often (a step can take a millisecond)
 IDLE_TICK_S = 1.0  # an idle rank 0 still broadcasts this often, so follower ranks never hit a collective timeout
@@ -228,6 +229,12 @@ class EngineHost:
         if self._lockstep is None:
             raise EngineDead("engine loop has not started")
         self._lockstep.engine.check_request(prompt_ids, params)
+
+    def limits(self) -> EngineLimits:
+        """What this replica's engine can serve (the ingress checks requests against it before routing them)."""
+        if self._lockstep is None:
+            raise EngineDead("engine loop has not started")
+        return self._lockstep.engine.limits
 
     def stats(self) -> dict[str, float]:
         """A snapshot for operators and tests: open streams, aborted requests, and `engine_stats`."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 from pydantic import Field, model_validator
 
@@ -39,6 +39,7 @@ class CorpusSection(StrictModel):
 
 
 class ExpandSection(StrictModel):
+    mode: Literal["multitf", "d2f"] = Field(default="multitf", description="d2f: the authors' D2F ablation rows")
     gmax: int = Field(default=4, ge=2)
     n_rand: int = Field(default=2, ge=0)
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -154,8 +155,8 @@ def expand_stage(cfg: QuickstartConfig, corpus: Path, out: Path, base: Path, exp
 
     e = expand or cfg.expand
     summary = run_expand(ExpandConfig(
-        inputs=[str(corpus)], output_dir=str(out), model_dir=str(base), max_length=e.max_length, gmax=e.gmax,
-        n_rand=e.n_rand, scheduler=e.scheduler, seed=cfg.seed, sequences_per_task=e.sequences_per_task))
+        inputs=[str(corpus)], output_dir=str(out), model_dir=str(base), max_length=e.max_length, mode=e.mode,
+        gmax=e.gmax, n_rand=e.n_rand, scheduler=e.scheduler, seed=cfg.seed, sequences_per_task=e.sequences_per_task))
     print(f"    {summary.sequences_ok} sequences x {summary.layouts_per_sequence} group-layouts = {summary.rows_out} "
           f"rows ({summary.rows_per_s:.0f} rows/s) -> {summary.rows_dir}; quarantined {summary.quarantined}")
     if summary.quarantined:

@@ -11,6 +11,7 @@ from ray import serve
 from actors.decoder import Delta, EngineHost
 from actors.tp_worker import ModelSpec
 from mbd.config import DecodeConfig, EngineConfig
+from mbd.decoding.validate import EngineLimits
 from serve_app.metrics import DecoderMetrics
 
 
@@ -30,6 +31,9 @@ class Decoder:
         self.host.validate(prompt_ids, params)
         async for d in self.host.generate(prompt_ids, params, rid, per_block):
             yield d
+
+    def limits(self) -> EngineLimits:
+        return self.host.limits()
 
     def check_health(self) -> None:
         self.host.check()

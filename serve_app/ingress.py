@@ -67,6 +67,7 @@ async def _first(gen: DeploymentResponseGenerator) -> Delta:
 class OpenAIIngress:
     def __init__(self, decoder: DeploymentHandle, cfg: ServeConfig):
         self.decoder = decoder.options(stream=True)
+        self._decoder = decoder
         self.cfg = cfg
         path = cfg.model.resolved_path()
         model_cfg = ModelConfig.from_hf(read_json(path / "config.json"))
@@ -84,6 +85,15 @@ class OpenAIIngress:
 
         return http_app(self, api_key=self.cfg.http.api_key or os.environ.get("MBD_API_KEY") or None)
 
+    async def _limits(self) -> None:
+        """The engine's limits, asked of a decoder replica once (every replica serves the same model and config)."""
+        if self.convert.limits is None:
+            try:
+                self.convert.limits = await self._decoder.limits.remote()
+            except Exception as e:  # noqa: BLE001 - no replica is up yet
+                log.error("decoder unavailable: %r", e)
+                raise unavailable("decoder unavailable; retry later", self.cfg.decoder.retry_after_s) from e
+
     async def _sync(self, cost: int, fn: Callable, *args: Any) -> Any:
         """fn(*args), inline when its input is small (cost: characters or tokens), else in the tokenizer pool:
         handing a few hundred characters to a pool thread costs more than (de)tokenizing them, while a huge
@@ -100,6 +110,7 @@ class OpenAIIngress:
     async def completions(self, req: CompletionRequest) -> Any:
         t0, rid, created = time.perf_counter(), new_id("cmpl"), now()
         self.trace.mark(rid, "recv")
+        await self._limits()
         self.convert.check_completion(req)
         prompts = await self._sync(_size(req.prompt), self.convert.encode_prompts, req.prompt)
         choices = await self._start(rid, req, prompts)
@@ -140,6 +151,7 @@ class OpenAIIngress:
     async def chat(self, req: ChatCompletionRequest) -> Any:
         t0, rid, created = time.perf_counter(), new_id("chatcmpl"), now()
         self.trace.mark(rid, "recv")
+        await self._limits()
         self.convert.check_chat(req)
         messages = self.convert.messages(req)
         prompts = [await self._sync(sum(len(m["content"]) for m in messages), self.convert.encode_chat, messages)]
@@ -182,6 +194,10 @@ class OpenAIIngress:
         rid.i) and wait for the first block of each: it decides the HTTP status (200, 400 or 503)."""
         self.convert.check_choices(req, len(prompts))
         params = self.convert.params(req, max(len(p) for p in prompts))
+        fields = ["messages"] if isinstance(req, ChatCompletionRequest) else \
+            ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+        for ids, field in zip(prompts, fields):
+            self.convert.check_request(ids, params, field, req)
         # blocks one by one only when someone looks at them: an SSE client, or stop strings that may end early
         per_block = req.stream or bool(req.stop_list())
         ids = [f"{rid}.{i}" for i in range(len(prompts) * req.n)]

@@ -211,6 +211,9 @@ class Decoded(BaseModel):
     trace: list[dict] | None = None
 
 
+TPF_COUNTING = 2  # ItemRecord.counting: 2 = the authors' (the last store forward counted, the stop token not)
+
+
 class ItemRecord(BaseModel):
     """One problem of one (model, config, benchmark) cell: the completion, its verdict and its decoding cost."""
 
@@ -227,6 +230,7 @@ class ItemRecord(BaseModel):
     step_latency_ms: float
     finish_reason: str
     detail: str = ""
+    counting: int = TPF_COUNTING  # 1: stored before the field existed; a resumed sweep decodes such records again
 
 
 class DecodedUnit(BaseModel):
@@ -276,9 +280,9 @@ class ResultStore:
         return self.root / kind / model / config / f"{benchmark}.jsonl"
 
     def load(self, model: str, config: str, benchmark: str) -> dict[str, ItemRecord]:
-        """Stored records by problem id (the last one wins)."""
-        return {r.problem_id: r for r in map(ItemRecord.model_validate,
-                                             self._read(self.path(model, config, benchmark)))}
+        """Stored records by problem id (the last one wins), of the current TPF counting only."""
+        rows = ({"counting": 1, **row} for row in self._read(self.path(model, config, benchmark)))
+        return {r.problem_id: r for r in map(ItemRecord.model_validate, rows) if r.counting == TPF_COUNTING}
 
     def append(self, record: ItemRecord) -> None:
         self._append(self.path(record.model, record.config, record.benchmark), record.model_dump())

@@ -73,7 +73,7 @@ def test_bad_serve_config_names_the_field(tmp_path):
     with pytest.raises(ConfigError, match="model.tensor_parallel_size"):
         load_serve_config(p)
     # a replica that accepts fewer requests than it has batch rows would leave rows empty
-    p.write_text("model: {path: x, max_batch_slots: 8}\ndecoder: {max_ongoing_requests: 4}\n")
+    p.write_text("model: {path: x}\nengine: {max_batch_rows: 8}\ndecoder: {max_ongoing_requests: 4}\n")
     with pytest.raises(ConfigError, match="decoder.max_ongoing_requests=4 leaves batch rows empty"):
         load_serve_config(p)
 

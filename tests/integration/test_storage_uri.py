@@ -74,6 +74,7 @@ def test_join_keeps_a_uris_query_at_the_end():
     assert storage.join("runs", "x") == str(Path("runs", "x"))
 
 
+@pytest.mark.slow  # a cluster and a DeepSpeed run of its own: about 1.5 min on an idle 2-core machine
 def test_expand_train_and_export_on_s3(s3, multinode, tmp_path):
     """The cluster starts after the credentials are in the environment: every node's processes see them, as on
     a real cluster whose nodes carry them (never a file in the repository)."""
