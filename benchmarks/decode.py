@@ -15,6 +15,8 @@ system alike (one torch thread; absolute times are noisy on a shared machine, th
    span), alternated step by step; wall and thread-CPU medians.
 4. prefix: on the ~60M model at batch 1, step latency with a 1,024- vs a 64-token prompt, alternated step
    by step; and the KV bytes allocated vs needed vs mapped (pages). Prefix reuse: benchmarks/prefix_cache.py.
+5. flex (on request, `--parts flex --size 60m`): compiled FlexAttention vs SDPA engine steps on CPU, ABAB after
+   a warm-up that compiles every shape; the number behind the CPU default `attention: sdpa` (docs/engine.md).
 
     python -m benchmarks.decode                 # everything (< 10 minutes on 2 cores)
     python -m benchmarks.decode --parts table --size 60m --repeats 3
@@ -339,10 +341,56 @@ def llada2_mini(repeats: int) -> list[str]:
     return lines
 
 
+def step_costs(engine: Engine, prompts: list[list[int]], max_new: int) -> tuple[float, float, int]:
+    """(median wall ms, median thread-CPU ms, steps) of the decode steps of `prompts` (the prefill step excluded)."""
+    for p in prompts:
+        engine.add_request(p, {"max_new_tokens": max_new})
+    engine.step()
+    wall, cpu = [], []
+    while engine.has_unfinished():
+        a = clocks()
+        engine.step()
+        z = clocks()
+        wall.append(z[0] - a[0])
+        cpu.append(z[1] - a[1])
+    return 1e3 * statistics.median(wall), 1e3 * statistics.median(cpu), len(wall)
+
+
+def flex_vs_sdpa(size: str, tau: float, repeats: int, cases=((1, 1), (4, 2)), plen: int = 512,
+                 max_new: int = 64) -> list[str]:
+    """Compiled FlexAttention (torch.compile, inductor) vs SDPA on CPU, whole engine steps: the same model,
+    prompts and decisions, engines alternating ABAB after a warm-up run that compiles every shape the workload
+    uses (a 512-token prompt and 64 new tokens keep the key span in one bucket, so the compile count is small)."""
+    from torch._dynamo.utils import counters
+
+    model, cfg = random_sdar(size, 4, MAX_LEN)
+    lines = ["| batch, N_buf | flex compiles (warm-up s) | SDPA step ms (CPU) | flex step ms (CPU) | flex / SDPA wall | "
+             "flex / SDPA CPU |", "|---|---|---|---|---|---|"]
+    for batch, n_buf in cases:
+        g = torch.Generator().manual_seed(11 * batch + n_buf)
+        prompts = torch.randint(0, cfg.vocab_size - 2, (batch, plen), generator=g).tolist()
+        dc = decode_config(n_buf, 4, tau)
+        engines = {a: Engine(model, None, dc, EngineConfig(max_batch_rows=batch, attention=a, compile="default"))
+                   for a in ("sdpa", "flex")}
+        c0, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
+        step_costs(engines["flex"], prompts, max_new)
+        compiles, warm = counters["stats"]["unique_graphs"] - c0, time.perf_counter() - t0
+        step_costs(engines["sdpa"], prompts, max_new)
+        runs: dict[str, list[tuple[float, float, int]]] = {"sdpa": [], "flex": []}
+        for rep in range(repeats):
+            for a in (("sdpa", "flex") if rep % 2 == 0 else ("flex", "sdpa")):
+                runs[a].append(step_costs(engines[a], prompts, max_new))
+        med = {a: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)) for a, rs in runs.items()}
+        lines.append(f"| {batch}, {n_buf} | {compiles} ({warm:.0f}) | {med['sdpa'][0]:.1f} ({med['sdpa'][1]:.1f}) | "
+                     f"{med['flex'][0]:.1f} ({med['flex'][1]:.1f}) | {med['flex'][0] / med['sdpa'][0]:.2f} | "
+                     f"{med['flex'][1] / med['sdpa'][1]:.2f} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="table,mixed,overhead,prefix",
-                    help="any of table, mixed, overhead, prefix, buffer, admission (the last two: issue 18, 60m)")
+                    help="any of table, mixed, overhead, prefix, buffer, admission, flex (compiled flex vs SDPA)")
     ap.add_argument("--size", default="tiny", help="model of the table: tiny | small | 60m (hf_baseline.SIZES)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tau", type=float, default=0.3, help="tau_m2t of every system")
@@ -386,6 +434,10 @@ def main(argv: list[str] | None = None) -> int:
             lines = admission("60m", block, n_buf, args.tau, (8, 16, 64, 256, 1024), args.steps)
             print(f"\nadmitting a 1,024-token prompt while one row decodes (60m, B={block}, N_buf={n_buf}, batch 1)\n"
                   + "\n".join(lines), flush=True)
+    if "flex" in parts:
+        lines = flex_vs_sdpa(args.size, args.tau, args.repeats)
+        print(f"\ncompiled FlexAttention vs SDPA on CPU, {args.size} model, B=4, prompt 512, 64 new tokens, medians of "
+              f"{args.repeats} alternating runs\n" + "\n".join(lines), flush=True)
     if "prefix" in parts:
         p = prefix_latency("60m", 4, args.tau, args.steps)
         print(f"\nprefix, 60m model, SingleBD B=4, batch 1: step {p['ms64']:.1f} ms (prompt 64) vs {p['ms1024']:.1f} ms "

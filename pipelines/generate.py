@@ -67,7 +67,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from mbd.decoding import build_engine  # after argument parsing: `--help` stays instant
+    from mbd.decoding import (
+        build_engine,  # after argument parsing: `--help` stays instant
+    )
 
     try:
         cfg, engine_cfg = load_decode(args.config, args.sets)

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mbd.config import EngineConfig
+from mbd.config import ConfigError, EngineConfig
 from mbd.decoding.batch import DecodeBatch, PrefillChunk, RowOutput
 from mbd.decoding.policy import Policy
 from mbd.decoding.state import FREE_ROW, BatchBuffers, RowLayout, SlotState
@@ -110,6 +110,9 @@ class ModelRunner:
         self.attention, self.compile = engine.attention, engine.compile
         rows, self.q = buf.tokens.shape
         dev = buf.tokens.device
+        if self.attention == "flex" and self.compile != "off" and next(model.parameters()).dtype == torch.float64:
+            raise ConfigError("attention: flex with compile: " + self.compile + " needs float32/bfloat16/float16 "
+                              "weights (inductor's FlexAttention rejects float64); use compile: off for the eager kernel")
         self.cache = allocate_cache(model, rows, max_len, self.q, engine, dev)
         self._views: dict[tuple[int, int, bool], KVCache] = {}
         self._arange_q = torch.arange(self.q, device=dev)

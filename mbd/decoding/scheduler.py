@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from mbd.decoding.batch import DecodeBatch, PrefillChunk
 from mbd.decoding.cache_manager import CacheManager
+from mbd.decoding.outputs import EngineStats
 from mbd.decoding.policy import Sampler
 from mbd.decoding.state import FREE_ROW, BatchBuffers, Request
-from mbd.decoding.outputs import EngineStats
 
 
 def power_of_two_buckets(rows: int) -> tuple[int, ...]:

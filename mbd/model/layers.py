@@ -54,14 +54,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Ten
     return flex_kernel("default" if q.is_cuda else "off")(q, k, v, block_mask=mask, enable_gqa=gqa)
 
 
+FLEX_SHAPES = 4096  # compiled decode shapes (batch bucket x slots x key span) a process may hold
+
+
 @functools.cache
 def flex_kernel(compile: str):
     """flex_attention, eager ("off": it materialises the scores) or compiled into a fused kernel with that
-    torch.compile mode, one per process and mode (static shapes: each bucket compiles once)."""
+    torch.compile mode, one per process and mode. Shapes are static, so each (batch bucket, slots, key span)
+    compiles once; Dynamo's default limit of 8 compilations per function would otherwise silently send every
+    later shape back to eager, so the limits are raised to what the buckets can produce."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if compile == "off":
         return flex_attention
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, FLEX_SHAPES)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, FLEX_SHAPES)
     return torch.compile(flex_attention, dynamic=False, mode=None if compile == "default" else compile)
 
 

@@ -124,3 +124,12 @@ def test_the_one_request_check_names_the_field():
         eng.check_request([])
     ids, p = eng.check_request([1, 2, 3], {"max_new_tokens": 5})
     assert ids == [1, 2, 3] and p.gen_end == 8
+
+
+def test_compiled_flex_refuses_float64_weights():
+    """Inductor's CPU FlexAttention takes float32 / bfloat16 / float16 only: refused at construction, not at the
+    first forward."""
+    model = build_model(tiny_cfg("sdar"), seed=0).double()
+    with pytest.raises(ConfigError, match="float64"):
+        Engine(model, None, DecodeConfig(), EngineConfig(attention="flex", compile="default"))
+    Engine(model, None, DecodeConfig(), EngineConfig(attention="flex", compile="off"))
