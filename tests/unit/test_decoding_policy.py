@@ -145,7 +145,7 @@ def test_activation_and_finish_plan():
     assert pol.plan(p, **go).activate  # progress 0.5 >= 0.5 and stability 0.5 >= 0.5 (the issue's >=)
     assert not pol.plan(p, **{**go, "unchanged_last": Kept(0, 2)}).activate
     assert not pol.plan(p, **{**go, "filled_last": 1, "unchanged_last": Kept(1, 1)}).activate  # progress 0.25
-    # filled in this very step (nothing filled before): stable, as the authors' same_token_ratio (issue 13)
+    # filled in this very step (nothing filled before): stable, as the authors' same_token_ratio
     assert pol.plan(p, **{**go, "filled_last": 4, "unchanged_last": Kept(0, 0)}).activate
     assert pol.plan(p, **{**go, "filled_last": 3, "unchanged_last": Kept(1, 1)}).activate  # 2 new, 1 old kept
     assert not pol.plan(p, **{**go, "eos_seen": True}).activate

@@ -1,4 +1,4 @@
-"""DMax's native SingleBD decoding (`strategy: dmax`, issue 13) against rules written out in the test, the
+"""DMax's native SingleBD decoding (`strategy: dmax`) against rules written out in the test, the
 engine against the SingleBD reference under those rules, and the DMax / LLaDA2.1 rows' T2T settings."""
 
 from pathlib import Path
