@@ -53,7 +53,7 @@ SweepKnob = Literal["tau_m2t", "tau_add", "tau_t2t", "tau_stable", "tau_semi"]
 class DecodeEntry(StrictModel):
     """One decoding configuration: a DecodeConfig YAML (one, or one per benchmark kind) plus overrides.
 
-    `sweep` declares the threshold grid of the row's AUP curve (issue 13: the paper gives each (model, method)
+    `sweep` declares the threshold grid of the row's AUP curve (the paper gives each (model, method)
     row its own AUP, which needs points that move TPF): every combination of the listed values is decoded as
     an extra, hidden point `<name>+tau_m2t=0.9+...` of the same curve; the row shows the operating point."""
 

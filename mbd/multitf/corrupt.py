@@ -3,7 +3,7 @@
 Masking rule (alg:multitf_training): block k with ratio t_k masks exactly n_k = floor(B * t_k) positions,
 chosen uniformly without replacement among its MASKABLE positions, i.e. the TARGETS: every position after
 the prompt, prompt_len <= p < L, that is the response (with its EOS) AND the block-alignment pad tokens
-after it (issue 13, as the authors' `apply_chat_template_mdm`: "block-alignment padding participates in
+after it (as the authors' `apply_chat_template_mdm`: "block-alignment padding participates in
 training"). Why: at inference the final block holds EOS and then whatever the model writes in its
 remaining positions; if those pads were never masked nor trained, the final block's trailing positions
 would never be learned. Prompt positions of the block holding the prompt tail are never masked. When a

@@ -154,7 +154,7 @@ def test_engine_loop_death_fails_requests_and_health(ckpt, tok):
         asyncio.run(_collect(host, tok.encode("1+1="), DECODE))
 
 
-# ---- request fields that reach the engine (issue 14) ----
+# ---- request fields that reach the engine ----
 
 
 def test_sampler_top_k_top_p_restrict_the_distribution():

@@ -145,7 +145,7 @@ def test_activation_and_finish_plan():
     assert pol.plan(p, **go).activate  # progress 0.5 >= 0.5 and stability 0.5 >= 0.5 (the issue's >=)
     assert not pol.plan(p, **{**go, "unchanged_last": Kept(0, 2)}).activate
     assert not pol.plan(p, **{**go, "filled_last": 1, "unchanged_last": Kept(1, 1)}).activate  # progress 0.25
-    # filled in this very step (nothing filled before): stable, as the authors' same_token_ratio (issue 13)
+    # filled in this very step (nothing filled before): stable, as the authors' same_token_ratio
     assert pol.plan(p, **{**go, "filled_last": 4, "unchanged_last": Kept(0, 0)}).activate
     assert pol.plan(p, **{**go, "filled_last": 3, "unchanged_last": Kept(1, 1)}).activate  # 2 new, 1 old kept
     assert not pol.plan(p, **{**go, "eos_seen": True}).activate
@@ -165,14 +165,14 @@ def test_activation_and_finish_plan():
 
 # ----------------------------------------------------------------------------- engine with a scripted model
 def stability_reference(block: list[int], before: list[int], after: list[int]) -> float:
-    """Issue 13's definition, written out: of the positions filled before the step, the share the step kept."""
+    """The authors' definition, written out: of the positions filled before the step, the share the step kept."""
     old = [i for i in range(len(block)) if before[i] != MASK]
     return sum(before[i] == after[i] for i in old) / len(old) if old else 1.0
 
 
 @pytest.mark.parametrize("ref", ["engine", "naive"])
 def test_tau_stable_counts_only_tokens_filled_before_the_step(ref):
-    """Issue 13: a near-deterministic model fills each block in one forward. With stability measured over the
+    """A near-deterministic model fills each block in one forward. With stability measured over the
     tokens filled before the step, tau_stable 0.5 must not stop the buffer from growing: the same forwards as
     without tau_stable (before the fix each one-step block looked 0% stable and MultiBD fell back toward
     SingleBD: TPF 16/7 instead of 16/4)."""

@@ -1,4 +1,4 @@
-"""DMax's native SingleBD decoding (`strategy: dmax`, issue 13) against rules written out in the test, the
+"""DMax's native SingleBD decoding (`strategy: dmax`) against rules written out in the test, the
 engine against the SingleBD reference under those rules, and the DMax / LLaDA2.1 rows' T2T settings."""
 
 from pathlib import Path
@@ -87,7 +87,7 @@ def test_dmax_strategy_needs_single_block_and_t2t():
 
 @pytest.mark.parametrize("task", ["math", "code"])
 def test_dmax_and_llada21_rows_decode_with_t2t_as_the_authors(task):
-    """Issue 13: the authors run DMax MultiBD / MBD in edit mode (T2T, threshold 0) and DMax SingleBD with
+    """The authors run DMax MultiBD / MBD in edit mode (T2T, threshold 0) and DMax SingleBD with
     DMax's own decoder; LLaDA2.1 rows revise at tau_T2T 0.5."""
     load = lambda name: load_decode(DECODE / f"{name}_{task}.yaml")[0]
     native = load("llada2-mini-dmax_singlebd")

@@ -151,7 +151,7 @@ def test_rows_mask_exactly_floor_b_t_response_positions():
 
 
 def test_trailing_block_pads_are_maskable_targets():
-    """Issue 13: the 4 block-alignment pads after the answer (positions 36..39) are real tokens and
+    """The 4 block-alignment pads after the answer (positions 36..39) are real tokens and
     maskable targets, so the final block's trailing positions get trained; before, they never were."""
     rows = _rows()
     assert all(r["total_len"] == 40 and r["response_len"] == 27 for r in rows)

@@ -151,7 +151,7 @@ def test_loss_stats_split_by_kind_and_slot():
 # ---------------------------------------------------------------- objectives through a model
 
 def oput_reference(logits, batch, rows):
-    """Issue 13: DMax OPUT supervises every position after the prompt of a row (answer + its trailing
+    """DMax OPUT supervises every position after the prompt of a row (answer + its trailing
     block-alignment pads), masked or not; mean per row, then over rows."""
     losses = []
     for i, r in enumerate(rows):

@@ -67,7 +67,7 @@ def test_d2f_monotone_with_bounded_steps():
 
 @pytest.mark.parametrize("gamma", [1.0, 2.0, 3.0])
 def test_random_is_the_authors_power_law_chain(gamma):
-    """Issue 13: the authors' random scheduler is an increasing chain from t_low with power-law steps
+    """The authors' random scheduler is an increasing chain from t_low with power-law steps
     t_i = c + (t_eff - c)(1 - (1 - u)^gamma): the room left, t_eff - t_i, shrinks by (1 - u)^gamma per slot,
     so E[t_eff - t_{j_i}] = (t_eff - t_low) / (gamma + 1)^i (independent draws). The old scheduler drew
     each block independently (no order, biased to t_low), which fails all three checks."""
@@ -156,7 +156,7 @@ def test_generator_keys():
 
 
 def test_defaults_are_the_authors():
-    """Issue 13: rho (the paper's unreported rho_cfg) is the authors' noise_transition_margin_ratio 0.01, and the
+    """Rho (the paper's unreported rho_cfg) is the authors' noise_transition_margin_ratio 0.01, and the
     random scheduler's gamma their noise_transition_gamma 2."""
     cfg = SchedulerConfig()
     assert (cfg.rho, cfg.gamma_rand) == (0.01, 2.0)
