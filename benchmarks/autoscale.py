@@ -226,7 +226,7 @@ def measure(name: str, app_cfg: ServeConfig, url_base: str, messages: list[list[
         deadline = time.perf_counter() + wait_s
         while time.perf_counter() < deadline:
             if run.samples and run.samples[-1].replicas <= max(1, auto.min_replicas):
-                run.settled_s = run.samples[-1].t - run.load_end
+                run.settled_s = max(0.0, run.samples[-1].t - run.load_end)
                 break
             time.sleep(1)
     finally:
