@@ -390,7 +390,8 @@ def flex_vs_sdpa(size: str, tau: float, repeats: int, cases=((1, 1), (4, 2)), pl
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="table,mixed,overhead,prefix",
-                    help="any of table, mixed, overhead, prefix, buffer, admission, flex (compiled flex vs SDPA)")
+                    help="any of table, mixed, overhead, prefix, buffer, admission (the last two on the 60m model), "
+                         "flex (compiled flex vs SDPA)")
     ap.add_argument("--size", default="tiny", help="model of the table: tiny | small | 60m (hf_baseline.SIZES)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tau", type=float, default=0.3, help="tau_m2t of every system")

@@ -84,7 +84,7 @@ def job_rows_per_s(cpus: int, sequences: int, length: int, block_size: int, gmax
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_job_inputs(root, sequences, length, block_size)
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         try:
             s = run_expand(ExpandConfig(inputs=[str(root / "corpus.jsonl")], output_dir=str(root / "out"),
                                         model_dir=str(root / "model"), max_length=length, gmax=gmax,

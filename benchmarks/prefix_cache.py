@@ -1,4 +1,4 @@
-"""Paged KV cache benchmark (issue 17), on the ~60M random SDAR model of benchmarks/decode.py, one torch thread.
+"""Paged KV cache benchmark, on the ~60M random SDAR model of benchmarks/decode.py, one torch thread.
 
 1. reuse: 64 requests sharing a 1,024-token prefix (a long system prompt, or the same k-shot exemplars for every
    problem of an eval sweep) with distinct 32-token suffixes, through 16 batch rows, with and without prefix

@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=1, help="runs per stage, in ABBA order")
     args = ap.parse_args()
-    ray.init(num_cpus=max(2, args.workers), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(2, args.workers), include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model_dir, corpus = setup(root, args.hidden, args.layers)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from mbd.config import REPO_ROOT, ConfigError, DecodeConfig, load_decode
 
+__all__ = ["load_decode_config", "main"]  # what other pipelines may use
+
 TINY_DIR = REPO_ROOT / "mbd" / "assets" / "tiny"
 
 

@@ -6,7 +6,7 @@ training steps, about 35 with the default 800, on 2 CPU cores; docs/reproduce.md
     mbd reproduce --parts schedulers --steps 150       # claim (d); reuses what earlier runs stored
     mbd reproduce --report-only                        # rewrite the report from what is stored
 
-Claims (paper section), each judged by a stated test on the same held-out problems (mbd.eval.report): a 95%
+Claims (paper section), each judged by a stated test on the same held-out problems (mbd.eval.claims): a 95%
 interval wholly on the claim's side of its threshold is REPRODUCED, wholly on the other side NOT REPRODUCED,
 straddling it INCONCLUSIVE (the data cannot tell at this n):
   (a) MBD TPF >= 1.78x SingleBD at accuracy >= SingleBD - 1 pp: paired Wald CI of the accuracy difference
@@ -40,13 +40,16 @@ from typing import NamedTuple, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 from mbd.config import ConfigError, resolve_path
-from mbd.eval.report import Claim, Curve, MethodRow, claims_table, judge_active, judge_aup, judge_main, method_table
+from mbd.eval.claims import Claim, Curve, claims_table, judge_active, judge_aup, judge_main
+from mbd.eval.report import MethodRow, method_table
 from mbd.eval.sweep import ResultStore
 from mbd.multitf.layouts import num_layouts
-from pipelines.quickstart import (BENCHMARK, DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, QuickstartConfig, Stages,
-                                  curves_of, expand_stage, load_config, point_name, rows_of, section_title,
-                                  sweep_config, train_stage, write_corpus)
 from pipelines.ray_session import ray_session
+from pipelines.stages import (BENCHMARK, DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, ExpandSection, MethodSpec,
+                              QuickstartConfig, Stages, curves_of, expand_stage, load_config, point_name, rows_of,
+                              section_title, sweep_config, train_stage, write_corpus)
+
+__all__ = ["run_reproduce", "main"]
 
 PARTS: dict[str, tuple[str, ...]] = {
     "core": ("chain",),
@@ -59,12 +62,12 @@ CHECKPOINT_EVERY = 100  # steps between Ray Train checkpoints: what an interrupt
 class Variant(NamedTuple):
     label: str
     scheduler: str
-    layouts: str  # "both" | "systematic" | "random"
+    layouts: str  # "both" | "systematic" | "random" | "d2f" (the authors' D2F rows: one group, no layouts)
 
 
 VARIANTS: dict[str, Variant] = {
     "chain": Variant("MBD: chain-uniform, systematic + random (ours)", "chain_uniform", "both"),
-    "d2f": Variant("MBD: D2F-style monotonic scheduler", "d2f", "both"),
+    "d2f": Variant("MBD: D2F-style monotonic scheduler", "linear", "d2f"),
     "random": Variant("MBD: random scheduler", "random", "both"),
     "sorted": Variant("MBD: sorted-uniform scheduler", "sorted_uniform", "both"),
     "systematic": Variant("MBD: systematic layouts only", "chain_uniform", "systematic"),
@@ -78,6 +81,15 @@ def keep_random_layouts(batch: pa.Table) -> pa.Table:
     return batch.filter(pc.equal(batch["layout_kind"], "random"))
 
 
+def variant_expand(cfg: QuickstartConfig, name: str) -> ExpandSection:
+    """The quickstart's expansion settings with variant `name`'s scheduler and group-layouts."""
+    v = VARIANTS[name]
+    n_rand = {"both": cfg.expand.n_rand, "systematic": 0, "d2f": 0,
+              "random": num_layouts(cfg.expand.gmax, 0)}[v.layouts]
+    return cfg.expand.model_copy(update={"n_rand": n_rand, "mode": "d2f" if v.layouts == "d2f" else "multitf",
+                                         "scheduler": cfg.expand.scheduler.model_copy(update={"name": v.scheduler})})
+
+
 def expand_variant(cfg: QuickstartConfig, run: Path, base: Path, name: str) -> str:
     """Rows of one variant (skipped when its expand.json exists); returns the rows directory."""
     import ray
@@ -87,10 +99,7 @@ def expand_variant(cfg: QuickstartConfig, run: Path, base: Path, name: str) -> s
     if done.is_file():
         print(f"    stored: {out}")
         return json.loads(done.read_text())["rows_dir"]
-    n_rand = {"both": cfg.expand.n_rand, "systematic": 0,
-              "random": num_layouts(cfg.expand.gmax, 0)}[v.layouts]
-    expand = cfg.expand.model_copy(update={"n_rand": n_rand,
-                                           "scheduler": cfg.expand.scheduler.model_copy(update={"name": v.scheduler})})
+    expand = variant_expand(cfg, name)
     summary = expand_stage(cfg, run / "corpus" / "train.jsonl", out / ("all" if v.layouts == "random" else ""),
                            base, expand)
     rows_dir = summary.rows_dir
@@ -98,7 +107,7 @@ def expand_variant(cfg: QuickstartConfig, run: Path, base: Path, name: str) -> s
         rows_dir = str(out / "rows")
         ray.data.read_parquet(summary.rows_dir).map_batches(keep_random_layouts, batch_format="pyarrow") \
             .write_parquet(rows_dir)
-        print(f"    kept the {n_rand} random layouts per sequence -> {rows_dir}")
+        print(f"    kept the {expand.n_rand} random layouts per sequence -> {rows_dir}")
     done.write_text(json.dumps({"rows_dir": rows_dir, **summary.model_dump()}, indent=2))
     return rows_dir
 
@@ -113,7 +122,7 @@ def train_variant(cfg: QuickstartConfig, run: Path, base: Path, name: str, rows_
     return model
 
 
-def methods_for(cfg: QuickstartConfig, variants: Sequence[str]) -> list[tuple[str, str, str, str]]:
+def methods_for(cfg: QuickstartConfig, variants: Sequence[str]) -> list[MethodSpec]:
     """(label, key, decode YAML, model) for the sweep: the base under SingleBD and MultiBD, each variant under
     MultiBD (one AUP curve each)."""
     out = [(SINGLEBD, "singlebd", cfg.eval.singlebd, "base"), (MULTIBD_TF, "multibd-tf", cfg.eval.multibd, "base")]
@@ -122,7 +131,7 @@ def methods_for(cfg: QuickstartConfig, variants: Sequence[str]) -> list[tuple[st
 
 # ---------------------------------------------------------------- claims and report
 
-def judge_all(cfg: QuickstartConfig, run: Path, methods: Sequence[tuple[str, str, str, str]],
+def judge_all(cfg: QuickstartConfig, run: Path, methods: Sequence[MethodSpec],
               stored: set[tuple[str, str]]) -> list[Claim]:
     """Every claim from the per-problem records stored for the complete methods (others are NOT RUN)."""
     complete = [m for m in methods if all((m[3], point_name(m[1], o)) in stored for o in cfg.eval.overrides(m[2]))]

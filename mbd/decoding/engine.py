@@ -20,8 +20,9 @@ engine's config, checked by `mbd.decoding.validate` (buffer_size may not exceed 
 buffer_size, block_size must be the model's, max_length is capped by the engine's and the model's).
 
 Outputs: a block's tokens become final (and are streamed) when it becomes TO_CACHE; they are cut at the
-first stop token (excluded from the text, counted in num_generated) and at the generation limit.
-NFE counts decode forwards (prefill is not counted); TPF = num_generated / NFE.
+first stop token (excluded from the text and from num_generated) and at the generation limit. A request
+finishes after the forward that stores its last block (as the authors' engine counts). NFE counts decode
+forwards, that store forward included (prefill is not counted); TPF = num_generated / NFE.
 """
 
 from __future__ import annotations

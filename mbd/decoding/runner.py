@@ -134,6 +134,7 @@ class ModelRunner:
         logits, idx = self.forward(b, S, span, A, batch.chunks, batch.home)
         buf, Q = self.buf, S * B
         tokens, parts, conf = buf.tokens[:b, :Q], [], None
+        merge = buf.token_conf[:b, :Q].clone() if self.policy.token_merge else None
         if A:
             fixed = None
             if batch.fixed:  # a prompt tail is still in a buffer
@@ -145,12 +146,15 @@ class ModelRunner:
             if batch.logprobs:  # the probability each token was accepted (or last revised) with, where it changed
                 full = torch.full(tokens.shape, -1.0, device=tokens.device).scatter(1, idx, dec.conf.float())
                 conf = torch.where(updated != tokens, full, -1.0).tolist()
+            if merge is not None:  # DMax token merge: a token M2T filled in this step enters the next forward soft
+                filled = (tokens.gather(1, idx) == buf.mask_id) & (dec.tokens != buf.mask_id)
+                merge = merge.scatter(1, idx, torch.where(filled, dec.conf.float(), 1.0))
             tokens = updated
             parts = [dec.masked_in, dec.accepted] + ([dec.revised] if batch.t2t else [])
         if batch.trace:
             parts.append(buf.state[:b])  # forward-time states
         summary = torch.cat([tokens, *parts], 1).tolist()  # the step's single device -> host transfer
-        buf.store_tokens(tokens, [lay.n_tc for lay in batch.layout])  # re-run TO_CACHE slots are committed: pop
+        buf.store_tokens(tokens, [lay.n_tc for lay in batch.layout], merge)  # re-run TO_CACHE slots are committed: pop
         return {req.row: self._unpack(summary[req.row], conf and conf[req.row], req.n_tc, batch)
                 for req in batch.requests}
 
@@ -246,8 +250,9 @@ class ModelRunner:
                 self._inputs[(b, slots, span)] = self._positions_and_mask(b, slots, span)
             pos, mask = self._inputs[(b, slots, span)]
         idx = self.window(b, slots, active)
-        logits = self.model(self.buf.tokens[:b, : slots * self.block], pos, mask, cache=self.view(b, span, home),
-                            logits_at=idx)
+        Q = slots * self.block
+        logits = self.model(self.buf.tokens[:b, :Q], pos, mask, cache=self.view(b, span, home), logits_at=idx,
+                            token_conf=self.buf.token_conf[:b, :Q] if self.policy.token_merge else None)
         return logits, idx
 
     def _fused(self, key: tuple[int, int, int, int, bool],
@@ -273,8 +278,12 @@ class ModelRunner:
             all_pos.append(cpos)
         idx = self.window(b, slots, active)
         flat_idx = (torch.arange(b, device=dev)[:, None] * Q + idx).view(1, -1)
+        merge = None
+        if self.policy.token_merge:  # prompt chunks enter as their tokens
+            merge = torch.cat([self.buf.token_conf[:b, :Q].reshape(1, -1)] + [torch.ones_like(i, dtype=torch.float)
+                                                                             for i in ids[1:]], 1)
         logits = self.model(torch.cat(ids, 1), torch.cat(all_pos, 1), None, cache=Segments(tuple(parts)),
-                            logits_at=flat_idx)
+                            logits_at=flat_idx, token_conf=merge)
         return logits.view(b, active * self.block, logits.shape[-1]), idx
 
     def _capture(self, b: int, slots: int, span: int, active: int,

@@ -88,6 +88,9 @@ class BatchBuffers:
         self.tau_m2t = torch.ones(rows, 1, 1, device=device)  # broadcasts over [rows, slots, block]
         self.semi_max_masked = torch.full((rows, 1), -1, dtype=torch.long, device=device)
         self.tau_t2t = torch.full((rows, 1), 2.0, device=device)  # > 1: never revises
+        # DMax token merge (`merge_embeddings`): weight of each position's token against the mask embedding in
+        # the next forward; 1 = the token itself. Only the DMax policy writes it.
+        self.token_conf = torch.ones(rows, q, device=device)
 
     def load_row(self, row: int, first_block: list[int], prompt_len: int, p: RequestParams, semi_max_masked: int) -> None:
         """Start a request: slot 0 (ACTIVE once uploaded) holds the prompt tail (fixed) followed by masks."""
@@ -98,26 +101,32 @@ class BatchBuffers:
         self.tau_m2t[row] = p.tau_m2t
         self.semi_max_masked[row] = semi_max_masked
         self.tau_t2t[row] = 2.0 if p.tau_t2t is None else p.tau_t2t
+        self.token_conf[row] = 1.0
 
     def restore_row(self, row: int, tokens: list[int]) -> None:
-        """Put back a preempted request's resident tokens (after `load_row` set its params)."""
+        """Put back a preempted request's resident tokens (after `load_row` set its params; DMax's merge weights
+        restart at 1: a token filled in the step before the preemption enters hard once)."""
         self.tokens[row, : len(tokens)] = torch.tensor(tokens, device=self.tokens.device)
 
     def clear_row(self, row: int) -> None:
         """A free batch row: masked (and all DUMMY once uploaded), inert while the static forward still runs it."""
         self.tokens[row] = self.mask_id
+        self.token_conf[row] = 1.0
 
-    def store_tokens(self, new: torch.Tensor, n_pop: list[int]) -> None:
+    def store_tokens(self, new: torch.Tensor, n_pop: list[int], conf: torch.Tensor | None = None) -> None:
         """Write the updated tokens [b, q] of the first q positions (the slots that were run; the rest are
         masked DUMMY slots) of the first b rows, popping n_pop[r] front slots of row r and appending as many
-        (masked) DUMMY slots (two slice ops per popping row)."""
-        b, q = new.shape
-        self.tokens[:b, :q].copy_(new)
-        for r, k in enumerate(n_pop):
-            if k:
-                cut = k * self.block
-                self.tokens[r, : q - cut].copy_(new[r, cut:])
-                self.tokens[r, q - cut:].fill_(self.mask_id)
+        (masked) DUMMY slots (two slice ops per popping row). `conf` [b, q]: DMax's merge weights, moved alike."""
+        for dst, src, fill in ((self.tokens, new, self.mask_id), (self.token_conf, conf, 1.0)):
+            if src is None:
+                continue
+            b, q = src.shape
+            dst[:b, :q].copy_(src)
+            for r, k in enumerate(n_pop):
+                if k:
+                    cut = k * self.block
+                    dst[r, : q - cut].copy_(src[r, cut:])
+                    dst[r, q - cut:].fill_(fill)
 
     @staticmethod
     def slot_states(n_tc: int, n_res: int, n_buf: int) -> list[int]:
@@ -175,8 +184,9 @@ class Request:
 
     @property
     def num_generated(self) -> int:
-        """Tokens decoded up to and including the first stop token (TPF's numerator)."""
-        return len(self.output) + int(self.eos)
+        """TPF's numerator: the tokens returned, i.e. decoded before the first stop token (the stop token is left
+        out, as the authors' engine counts its truncated response)."""
+        return len(self.output)
 
     @property
     def finished(self) -> bool:

@@ -53,7 +53,7 @@ SweepKnob = Literal["tau_m2t", "tau_add", "tau_t2t", "tau_stable", "tau_semi"]
 class DecodeEntry(StrictModel):
     """One decoding configuration: a DecodeConfig YAML (one, or one per benchmark kind) plus overrides.
 
-    `sweep` declares the threshold grid of the row's AUP curve (issue 13: the paper gives each (model, method)
+    `sweep` declares the threshold grid of the row's AUP curve (the paper gives each (model, method)
     row its own AUP, which needs points that move TPF): every combination of the listed values is decoded as
     an extra, hidden point `<name>+tau_m2t=0.9+...` of the same curve; the row shows the operating point."""
 
@@ -150,6 +150,11 @@ class SweepConfig(StrictModel):
     workers: int | None = Field(None, ge=1, description="decoder actors (default: one per GPU, else 1)")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per decoder actor (its torch threads on CPU)")
     cpus_per_scorer: float = Field(1.0, gt=0, description="CPUs per scoring task (code runs in a sandbox)")
+    scorers: int | None = Field(None, ge=1, description="scoring slots reserved beside the decoders (default: the "
+                                                        "CPUs left free, at least one)")
+    reserve_timeout_s: float = Field(120.0, gt=0, description="how long to wait for busy resources to free up for "
+                                                              "the reservation (a cluster that can never hold it "
+                                                              "fails at once)")
 
     @field_validator("benchmarks", mode="before")
     @classmethod
@@ -206,6 +211,9 @@ class Decoded(BaseModel):
     trace: list[dict] | None = None
 
 
+TPF_COUNTING = 2  # ItemRecord.counting: 2 = the authors' (the last store forward counted, the stop token not)
+
+
 class ItemRecord(BaseModel):
     """One problem of one (model, config, benchmark) cell: the completion, its verdict and its decoding cost."""
 
@@ -222,6 +230,7 @@ class ItemRecord(BaseModel):
     step_latency_ms: float
     finish_reason: str
     detail: str = ""
+    counting: int = TPF_COUNTING  # 1: stored before the field existed; a resumed sweep decodes such records again
 
 
 class DecodedUnit(BaseModel):
@@ -231,14 +240,17 @@ class DecodedUnit(BaseModel):
     decoded: list[Decoded]
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    node: str | None = Field(None, description="the cluster node that decoded the unit")
 
 
 class PrefixCacheRecord(BaseModel):
-    """The prefix-cache lookups of one decoded unit of a cell, stored beside the cell's records."""
+    """The prefix-cache lookups of one decoded unit of a cell, and the node that decoded it, stored beside the
+    cell's records."""
 
     problem_ids: list[str]
     query_tokens: int
     hit_tokens: int
+    node: str | None = None
 
 
 def make_record(model: str, config: str, benchmark: str, problem: Problem, decoded: Decoded,
@@ -268,9 +280,9 @@ class ResultStore:
         return self.root / kind / model / config / f"{benchmark}.jsonl"
 
     def load(self, model: str, config: str, benchmark: str) -> dict[str, ItemRecord]:
-        """Stored records by problem id (the last one wins)."""
-        return {r.problem_id: r for r in map(ItemRecord.model_validate,
-                                             self._read(self.path(model, config, benchmark)))}
+        """Stored records by problem id (the last one wins), of the current TPF counting only."""
+        rows = ({"counting": 1, **row} for row in self._read(self.path(model, config, benchmark)))
+        return {r.problem_id: r for r in map(ItemRecord.model_validate, rows) if r.counting == TPF_COUNTING}
 
     def append(self, record: ItemRecord) -> None:
         self._append(self.path(record.model, record.config, record.benchmark), record.model_dump())
@@ -471,6 +483,10 @@ class WorkQueue:
 
     def __len__(self) -> int:
         return sum(map(len, self._groups.values()))
+
+    def requeue(self, unit: Unit) -> None:
+        """Put back a unit whose decoding was lost (its worker died): it is handed out next."""
+        self._groups.setdefault(unit.key, deque()).appendleft(unit)
 
     def pop(self, prefer: tuple[str, str, str] | None = None) -> Unit | None:
         if not self._groups:

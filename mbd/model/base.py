@@ -52,10 +52,13 @@ class CausalLMBase(nn.Module):
             self.lm_head.weight = self.model.embedding.weight
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask,
-                cache: KVCache | Segments | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache | Segments | None = None, logits_at: torch.Tensor | None = None,
+                token_conf: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [b, n, V]; with `logits_at` (an index [b, m] into the n positions) only those [b, m, V]
-        (m = 0: the head does not run)."""
+        (m = 0: the head does not run). token_conf [b, n]: DMax's token merge (`merge_embeddings`)."""
         h = self.model.embedding(input_ids)
+        if token_conf is not None:
+            h = merge_embeddings(h, token_conf, self.model.embedding, self.cfg.mask_token_id)
         cos, sin = rope_cos_sin(position_ids, self.cfg.rotary_dim, self.cfg.rope_theta, h.dtype)
         if isinstance(cache, KVCache):  # where each token's K/V go, the same for every layer
             kv_at = cache.address(position_ids)
@@ -70,6 +73,19 @@ class CausalLMBase(nn.Module):
                 return h.new_empty(h.shape[0], 0, self.cfg.vocab_size)
             h = h.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
         return self.lm_head(self.model.norm(h))
+
+
+def merge_embeddings(h: torch.Tensor, conf: torch.Tensor, embedding: nn.Module, mask_id: int) -> torch.Tensor:
+    """DMax's soft input ("token merge", the authors' Diffulex `dmax_topk` with top-1 and renormalisation): a
+    position with conf c < 1 enters as c E[token] + (1 - c) E[mask], rescaled to the norm c |E[token]| +
+    (1 - c) |E[mask]|; c = 1 keeps E[token] exactly. Static shapes: a select over every position, no branch."""
+    c = conf.unsqueeze(-1).float()
+    tok = h.float()
+    mask = embedding(conf.new_full((1,), mask_id, dtype=torch.long)).float()  # [1, H], broadcast
+    soft = c * tok + (1 - c) * mask
+    target = c * tok.norm(dim=-1, keepdim=True) + (1 - c) * mask.norm(dim=-1, keepdim=True)
+    soft = soft * (target / soft.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+    return torch.where(c < 1, soft.to(h.dtype), h)
 
 
 def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cache: KVCache | Segments | None,

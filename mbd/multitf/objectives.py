@@ -14,7 +14,7 @@ noisy stream that hold the mask token count: M_lambda = {i : x_t[i] = [M]}.
 - DMax OPUT (alg:oput_rollout): the standard branch is CE on x_t; the self-denoising branch replaces the
   masked positions of x_t with the argmax predictions of a no-grad pass. Both branches supervise the
   whole answer plus its trailing block-alignment pads (`Batch.targets`), not only M_lambda, as the
-  authors' DMax rollout labels every post-prompt position (issue 13); per row the mean CE over targets.
+  authors' DMax rollout labels every post-prompt position; per row the mean CE over targets.
   The no-grad pass has the same input as the standard branch, so its logits are the standard branch's
   logits, detached: one forward is saved, nothing changes. The argmax excludes the mask token, so the
   second input has no mask token left.

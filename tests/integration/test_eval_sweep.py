@@ -1,6 +1,6 @@
 """An evaluation sweep end to end through Ray on a tiny RANDOM model: decoder actor, scoring pool, results store,
 report and plots; then resume after an interruption decodes only the problems whose records are missing; and a
-few-shot sweep beside zero-shot (issue 17)."""
+few-shot sweep beside zero-shot."""
 
 import json
 

@@ -136,7 +136,7 @@ def test_schema_and_row_contents(first_run, corpus):
         clean, noisy = np.array(r["clean_ids"]), np.array(r["noisy_ids"])
         length = clean.size
         assert length % B == 0 and length <= 64 and len(r["block_group"]) == len(r["block_ratio"]) == length // B
-        end = r["prompt_len"] + r["response_len"]  # the block-alignment pads after it are targets too (issue 13)
+        end = r["prompt_len"] + r["response_len"]  # the block-alignment pads after it are targets too (as the authors')
         assert r["total_len"] == length and length - end < B
         assert clean[end - 1] == vocab["<|endoftext|>"]
         assert (clean[end:] == vocab["<|pad|>"]).all()

@@ -1,4 +1,4 @@
-"""OpenAI-client compatibility over real HTTP on loopback (issue 14): every request field that ordinary clients
+"""OpenAI-client compatibility over real HTTP on loopback: every request field that ordinary clients
 send, through the `openai` SDK, checked against the engine called directly; and each bug found by trying real
 clients as a regression test (invalid Unicode, body limit, a stalled event loop, role injection, usage with stop
 strings, a replica dying mid-stream, the OpenAPI document). Same tiny random model as test_serve_app."""
@@ -193,7 +193,7 @@ def test_stream_options_include_usage(client):
     assert all(c.usage is None for c in without) and without[-1].choices[0].finish_reason == "length"
 
 
-# ---------------------------------------------------------------- regressions of the bugs issue 14 found
+# ---------------------------------------------------------------- regressions of the bugs real clients found
 
 
 def test_invalid_unicode_is_400_naming_the_field(base):

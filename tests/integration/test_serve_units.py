@@ -72,6 +72,10 @@ def test_bad_serve_config_names_the_field(tmp_path):
     p.write_text("model: {path: x, tensor_parallel_size: 0}\n")
     with pytest.raises(ConfigError, match="model.tensor_parallel_size"):
         load_serve_config(p)
+    # a replica that accepts fewer requests than it has batch rows would leave rows empty
+    p.write_text("model: {path: x}\nengine: {max_batch_rows: 8}\ndecoder: {max_ongoing_requests: 4}\n")
+    with pytest.raises(ConfigError, match="decoder.max_ongoing_requests=4 leaves batch rows empty"):
+        load_serve_config(p)
 
 
 @pytest.mark.parametrize("loc, want", [
@@ -88,9 +92,10 @@ def test_field_path(loc, want):
 # ---- EngineHost in-process (TP=1: no Ray needed) ----
 
 
-async def _collect(host: EngineHost, ids: list[int], params: DecodeConfig, n: int | None = None) -> list:
+async def _collect(host: EngineHost, ids: list[int], params: DecodeConfig, n: int | None = None,
+                   per_block: bool = True) -> list:
     out = []
-    async with aclosing(host.generate(ids, params)) as gen:
+    async with aclosing(host.generate(ids, params, per_block=per_block)) as gen:
         async for d in gen:
             out.append(d)
             if n is not None and len(out) == n:
@@ -108,6 +113,9 @@ def test_engine_host_matches_engine_and_aborts_on_early_exit(ckpt, tok):
         deltas = asyncio.run(_collect(host, ids, params))
         assert [t for d in deltas for t in d.token_ids] == want.token_ids
         assert deltas[-1].finished and deltas[-1].nfe == want.nfe and deltas[-1].finish_reason == want.finish_reason
+        # per_block=False: the engine thread merges the blocks and hands over the whole generation once
+        (whole,) = asyncio.run(_collect(host, ids, params, per_block=False))
+        assert (whole.token_ids, whole.finished, whole.nfe) == (want.token_ids, True, want.nfe)
         # leaving after the first block aborts the request inside the engine and frees its slot
         asyncio.run(_collect(host, ids, DECODE.model_copy(update={"tau_m2t": 1.0}), n=1))
         for _ in range(200):
@@ -146,7 +154,7 @@ def test_engine_loop_death_fails_requests_and_health(ckpt, tok):
         asyncio.run(_collect(host, tok.encode("1+1="), DECODE))
 
 
-# ---- request fields that reach the engine (issue 14) ----
+# ---- request fields that reach the engine ----
 
 
 def test_sampler_top_k_top_p_restrict_the_distribution():

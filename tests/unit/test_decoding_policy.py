@@ -39,7 +39,7 @@ class ScriptedModel(nn.Module):
         self.mask_logit = mask_logit
         self.calls = 0
 
-    def forward(self, input_ids, position_ids, mask, cache=None, logits_at=None):
+    def forward(self, input_ids, position_ids, mask, cache=None, logits_at=None, token_conf=None):
         self.calls += 1
         pos = position_ids.clamp(max=len(self.tok) - 1)
         if logits_at is not None:  # the engine asks only for the positions it reads
@@ -145,28 +145,34 @@ def test_activation_and_finish_plan():
     assert pol.plan(p, **go).activate  # progress 0.5 >= 0.5 and stability 0.5 >= 0.5 (the issue's >=)
     assert not pol.plan(p, **{**go, "unchanged_last": Kept(0, 2)}).activate
     assert not pol.plan(p, **{**go, "filled_last": 1, "unchanged_last": Kept(1, 1)}).activate  # progress 0.25
-    # filled in this very step (nothing filled before): stable, as the authors' same_token_ratio (issue 13)
+    # filled in this very step (nothing filled before): stable, as the authors' same_token_ratio
     assert pol.plan(p, **{**go, "filled_last": 4, "unchanged_last": Kept(0, 0)}).activate
     assert pol.plan(p, **{**go, "filled_last": 3, "unchanged_last": Kept(1, 1)}).activate  # 2 new, 1 old kept
     assert not pol.plan(p, **{**go, "eos_seen": True}).activate
     assert not pol.plan(p, **{**go, "n_res": 3}).activate  # no DUMMY slot left
     assert pol.plan(p, **{**go, "n_res": 1, "pre_tc": 1, "post_tc": 1, "filled_last": 0}).activate  # buffer emptied
-    assert pol.plan(p, **{**go, "post_tc": 1, "eos_seen": True}).finish == "done"
+    # the last block final (eos, or the next block would start at gen_end): done after its store forward
+    for last in ({"eos_seen": True}, {"committed": 8 + 16 - 4}):
+        final = pol.plan(p, **{**go, **last, "post_tc": 1})
+        assert (final.finish, final.activate) == (None, False)
+        stored = {**go, **last, "pre_tc": 1, "post_tc": 1}
+        stored["committed"] += B  # the store forward committed the block
+        assert pol.plan(p, **stored).finish == "done"
+        assert pol.plan(p, **{**go, **last, "post_tc": 1, "nfe": 100}).finish == "done"  # no forward left to store
     assert pol.plan(p, **{**go, "committed": 8 + 16 - 4}).finish is None  # next block would start at gen_end
-    assert pol.plan(p, **{**go, "committed": 8 + 16 - 4, "post_tc": 1}).finish == "done"
     assert pol.plan(p, **{**go, "nfe": 100}).finish == "max_nfe"
 
 
 # ----------------------------------------------------------------------------- engine with a scripted model
 def stability_reference(block: list[int], before: list[int], after: list[int]) -> float:
-    """Issue 13's definition, written out: of the positions filled before the step, the share the step kept."""
+    """The authors' definition, written out: of the positions filled before the step, the share the step kept."""
     old = [i for i in range(len(block)) if before[i] != MASK]
     return sum(before[i] == after[i] for i in old) / len(old) if old else 1.0
 
 
 @pytest.mark.parametrize("ref", ["engine", "naive"])
 def test_tau_stable_counts_only_tokens_filled_before_the_step(ref):
-    """Issue 13: a near-deterministic model fills each block in one forward. With stability measured over the
+    """A near-deterministic model fills each block in one forward. With stability measured over the
     tokens filled before the step, tau_stable 0.5 must not stop the buffer from growing: the same forwards as
     without tau_stable (before the fix each one-step block looked 0% stable and MultiBD fell back toward
     SingleBD: TPF 16/7 instead of 16/4)."""
@@ -179,13 +185,14 @@ def test_tau_stable_counts_only_tokens_filled_before_the_step(ref):
                else NaiveMultiBD(model, c, [EOS]).generate(PROMPT))
         assert res.token_ids == SCRIPT[8:24]
         runs[ts] = res.nfe
-    assert runs[0.5] == runs[None] == 4
+    assert runs[0.5] == runs[None] == 4 + 1  # 4 blocks, one forward each, and the last block's store forward
 
 
-@pytest.mark.parametrize("n_buf,expected_nfe", [(1, 2 * 4 - 1), (2, 4), (4, 4)])
+@pytest.mark.parametrize("n_buf,expected_nfe", [(1, 2 * 4), (2, 4 + 1), (4, 4 + 1)])
 def test_decode_store_overlap_nfe(n_buf, expected_nfe):
     """All tokens confident: a block completes in one forward. SingleBD then needs a separate store
-    forward per block (2K - 1 for K blocks); the Block Buffer stores while decoding the next block (K)."""
+    forward per block (2K for K blocks); the Block Buffer stores while decoding the next block (K, plus the
+    store forward of the last block, which ends the request and is counted, as in the authors' engine)."""
     model = ScriptedModel(SCRIPT)
     res = Engine(model, None, cfg(buffer_size=n_buf, tau_add=0.5 if n_buf > 1 else None), EngineConfig(max_batch_rows=1)).generate([PROMPT])[0]
     assert res.token_ids == SCRIPT[8:24] and res.finish_reason == "length"
@@ -196,7 +203,7 @@ def test_prompt_tail_starts_first_block():
     model = ScriptedModel(SCRIPT)
     prompt = PROMPT + [20, 21]  # 10 tokens: 8 prefilled, 2 fixed in the first block
     res = Engine(model, None, cfg(buffer_size=1, tau_add=None, max_new_tokens=6), EngineConfig(max_batch_rows=1)).generate([prompt])[0]
-    assert res.token_ids == SCRIPT[10:16] and res.nfe == 3  # blocks [8,12) and [12,16): decode, store, decode
+    assert res.token_ids == SCRIPT[10:16] and res.nfe == 4  # blocks [8,12) and [12,16): decode, store each
 
 
 def test_eos_cut_and_no_activation_after_eos():
@@ -205,10 +212,12 @@ def test_eos_cut_and_no_activation_after_eos():
     model = ScriptedModel(script)
     engine = Engine(model, None, cfg(buffer_size=4, tau_add=0.25, max_new_tokens=40), EngineConfig(max_batch_rows=1, trace=True))
     res = engine.generate([PROMPT])[0]
-    assert res.token_ids == script[8:13] and res.finish_reason == "eos" and res.num_generated == 6
+    # the EOS is not counted: 5 tokens, as the authors' engine counts its response cut before the stop token
+    assert res.token_ids == script[8:13] and res.finish_reason == "eos" and res.num_generated == 5
     ref = NaiveMultiBD(model, engine.cfg, [EOS]).generate(PROMPT)
-    assert (ref.token_ids, ref.nfe) == (res.token_ids, res.nfe)
-    assert res.nfe == 2  # block [12,16) holds EOS: it and its predecessor are complete after 2 forwards
+    assert (ref.token_ids, ref.nfe, ref.num_generated) == (res.token_ids, res.nfe, res.num_generated)
+    # block [12,16) holds EOS: it and its predecessor are complete after 2 forwards, the 3rd stores them
+    assert res.nfe == 3 and res.tpf == 5 / 3
 
 
 def test_max_new_tokens_and_max_nfe():

@@ -1,4 +1,4 @@
-"""DMax's native SingleBD decoding (`strategy: dmax`, issue 13) against rules written out in the test, the
+"""DMax's native SingleBD decoding (`strategy: dmax`) against rules written out in the test, the
 engine against the SingleBD reference under those rules, and the DMax / LLaDA2.1 rows' T2T settings."""
 
 from pathlib import Path
@@ -56,14 +56,14 @@ def test_dmax_step_matches_the_written_rules(tokens, confs, fixed):
 
 def test_dmax_commits_confident_blocks_without_a_verification_forward():
     """A confident model: DMax commits each block in the step that fills it (decode + store = 2 forwards per
-    block, 2K - 1 for K blocks); the Block Buffer rules with T2T need a forward that changes nothing first."""
+    block, 2K for K blocks); the Block Buffer rules with T2T need a forward that changes nothing first (3K)."""
     c_dmax = cfg(buffer_size=1, tau_add=None, tau_t2t=0.0, strategy="dmax")
     c_bb = cfg(buffer_size=1, tau_add=None, tau_t2t=0.0)
     res = Engine(ScriptedModel(SCRIPT), None, c_dmax, EngineConfig(max_batch_rows=1)).generate([PROMPT])[0]
     ref = SingleBD(ScriptedModel(SCRIPT), c_dmax, [EOS]).generate(PROMPT)
     bb = Engine(ScriptedModel(SCRIPT), None, c_bb, EngineConfig(max_batch_rows=1)).generate([PROMPT])[0]
     assert res.token_ids == ref.token_ids == bb.token_ids == SCRIPT[8:24]
-    assert res.nfe == ref.nfe == 2 * 4 - 1 and bb.nfe == 3 * 4 - 1
+    assert res.nfe == ref.nfe == 2 * 4 and bb.nfe == 3 * 4
 
 
 def test_dmax_engine_equals_reference_with_low_confidences():
@@ -87,7 +87,7 @@ def test_dmax_strategy_needs_single_block_and_t2t():
 
 @pytest.mark.parametrize("task", ["math", "code"])
 def test_dmax_and_llada21_rows_decode_with_t2t_as_the_authors(task):
-    """Issue 13: the authors run DMax MultiBD / MBD in edit mode (T2T, threshold 0) and DMax SingleBD with
+    """The authors run DMax MultiBD / MBD in edit mode (T2T, threshold 0) and DMax SingleBD with
     DMax's own decoder; LLaDA2.1 rows revise at tau_T2T 0.5."""
     load = lambda name: load_decode(DECODE / f"{name}_{task}.yaml")[0]
     native = load("llada2-mini-dmax_singlebd")

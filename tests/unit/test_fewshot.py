@@ -1,5 +1,5 @@
 """Few-shot prompt mode of the eval sweeps: exemplar choice, exemplar turns in each benchmark's answer format, and the
-token-identical shared prefix that makes a prefix cache pay off (issue 17)."""
+token-identical shared prefix that makes a prefix cache pay off."""
 
 import pytest
 from pydantic import ValidationError

@@ -85,7 +85,7 @@ def test_main_table_numbers_and_aup():
 
 
 def test_default_layout_is_one_curve_per_model_and_method():
-    """Issue 13: without explicit curves every (model, method) row has its own curve; before, a whole section
+    """Without explicit curves every (model, method) row has its own curve; before, a whole section
     shared one curve and every row showed the same AUP."""
     report = build_report(aggregate(records()))
     assert [c.curve for c in report.curves] == ["m:a", "m:b", "m:c"]

@@ -1,4 +1,4 @@
-"""Issue 13, item 5: records too long for max_length are left out with a reason and counted, never truncated."""
+"""Records too long for max_length are left out with a reason and counted, never truncated."""
 
 import json
 
