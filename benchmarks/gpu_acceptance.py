@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bf16_drift import random_drift, tinymath_drift  # noqa: E402
 from benchmarks.hf_baseline import PlainBlockDiffusion, random_sdar, singlebd_config, to_qwen3  # noqa: E402
-from mbd.config import DecodeConfig  # noqa: E402
+from mbd.config import DecodeConfig, EngineConfig  # noqa: E402
 from mbd.decoding import Engine  # noqa: E402
 
 SKIPPED = "skipped (no CUDA)"
@@ -70,7 +70,8 @@ class Row:
 
 def engine_for(model, decode: DecodeConfig, rows: int, **knobs) -> Engine:
     """The one place the rows build engines (attention backend, CUDA Graphs)."""
-    return Engine(model, None, decode, max_batch_slots=rows, **knobs)
+    device = next(model.parameters()).device.type
+    return Engine(model, None, decode, EngineConfig(device=device, max_batch_rows=rows, **knobs))
 
 
 def prompts_for(vocab: int, n: int, length: int, seed: int, ragged: bool = False) -> list[list[int]]:
@@ -105,8 +106,8 @@ def graphs_row(s: Sizes, device: str) -> Row:
         ps = prompts_for(cfg.vocab_size, 16, s.prompt, block, ragged=True)
         for n_buf in (1, 2):
             decode = multibd(n_buf, s.new, 2048)
-            eager = engine_for(model, decode, 16, use_cuda_graphs=False).generate(ps)
-            graphed = engine_for(model, decode, 16, use_cuda_graphs=True)
+            eager = engine_for(model, decode, 16, cuda_graphs="off").generate(ps)
+            graphed = engine_for(model, decode, 16, cuda_graphs="on")
             good, text = same_outputs(eager, graphed.generate(ps))
             ok &= good
             buckets += len(graphed.runner._graphs)

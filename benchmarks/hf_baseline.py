@@ -178,11 +178,11 @@ def singlebd_config(tau: float, max_new_tokens: int, max_length: int) -> DecodeC
 
 def verify(model, cfg: ModelConfig, hf, prompts: list[list[int]], tau: float, max_new: int, max_len: int) -> None:
     """Raise unless the plain loop (batched) and our engine's SingleBD give identical tokens for every prompt."""
-    from mbd.decoding import Engine
+    from mbd.decoding import Engine, EngineConfig
 
     plain = PlainBlockDiffusion(hf, cfg.block_size, cfg.mask_token_id, {cfg.eos_token_id})
     got = plain.generate(prompts, tau, max_new, max_len)
-    engine = Engine(model, None, singlebd_config(tau, max_new, max_len), max_batch_slots=len(prompts))
+    engine = Engine(model, None, singlebd_config(tau, max_new, max_len), EngineConfig(max_batch_rows=len(prompts)))
     want = engine.generate(prompts)
     for i, (g, w) in enumerate(zip(got.token_ids, want)):
         if g != w.token_ids:

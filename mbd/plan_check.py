@@ -13,7 +13,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from mbd.config import REPO_ROOT, ConfigError, DecodeConfig, ModelConfig, parse_dtype, read_json, resolve_path
+from mbd.config import (REPO_ROOT, ConfigError, DecodeConfig, EngineConfig, ModelConfig, parse_dtype, read_json,
+                        resolve_path)
 from mbd.plan import H100_80GB, DeviceMemory, Plan, ServeShape, TrainShape, refuse_unless_fits, serve_plan, train_plan
 from mbd.train_config import TrainConfig
 
@@ -45,22 +46,18 @@ def device_memory(cuda: bool) -> DeviceMemory:
     return H100_80GB
 
 
-def serve_shape(engine, tp: int) -> ServeShape:
-    """The memory-relevant engine settings of an `EngineSpec` (today's serve `model:` section) or of an engine
-    config with the fuller knob set (attention, compile, CUDA Graphs, buckets, prefill chunk)."""
+def serve_shape(engine: EngineConfig, tp: int) -> ServeShape:
+    """The memory-relevant settings of an engine config at tensor-parallel size `tp`."""
     cuda = engine.device == "cuda" or (engine.device == "auto" and torch.cuda.is_available())
     dtype = (torch.bfloat16 if cuda else torch.float32) if engine.dtype == "auto" else parse_dtype(engine.dtype)
-    attention = getattr(engine, "attention", "sdpa")
-    if attention == "flex" and getattr(engine, "compile", "default") == "off":
-        attention = "sdpa"  # eager flex materialises the scores as the math kernel does
-    graphs = {"auto": None, "on": True, "off": False}[getattr(engine, "cuda_graphs", "auto")]
-    buckets = getattr(engine, "batch_buckets", None)
-    return ServeShape(tp=tp, dtype=dtype, cuda=cuda,
-                      max_batch_rows=getattr(engine, "max_batch_rows", None) or engine.max_batch_slots,
+    # eager flex materialises the scores as the math kernel does
+    attention = "sdpa" if engine.attention == "flex" and engine.compile == "off" else engine.attention
+    return ServeShape(tp=tp, dtype=dtype, cuda=cuda, max_batch_rows=engine.max_batch_rows,
                       kv_cache_bytes=engine.kv_cache_bytes, kv_cache_fraction=engine.kv_cache_fraction,
-                      page_size=engine.page_size, attention=attention, cuda_graphs=graphs,
-                      batch_buckets=tuple(buckets) if buckets else None,
-                      prefill_chunk=getattr(engine, "prefill_chunk", 512))
+                      page_size=engine.page_size, attention=attention,
+                      cuda_graphs={"auto": None, "on": True, "off": False}[engine.cuda_graphs],
+                      batch_buckets=tuple(engine.batch_buckets) if engine.batch_buckets else None,
+                      prefill_chunk=engine.prefill_chunk)
 
 
 def train_shape(cfg: TrainConfig, world: int | None = None, zero_stage: int | None = None) -> TrainShape:
@@ -69,9 +66,9 @@ def train_shape(cfg: TrainConfig, world: int | None = None, zero_stage: int | No
                       seq_len=cfg.data.max_length, attention=cfg.attention)
 
 
-def check_serve(path: str, engine, tp: int, decode: DecodeConfig) -> Plan:
+def check_serve(path: str, engine: EngineConfig, tp: int, decode: DecodeConfig) -> Plan:
     """Refuse (PlanError) an engine over the model at `path` whose plan does not fit one rank's device; the plan
-    otherwise. `engine`: see `serve_shape`."""
+    otherwise."""
     mcfg, _ = model_config(path)
     shape = serve_shape(engine, tp)
     return refuse_unless_fits(serve_plan(mcfg, decode, shape, device_memory(shape.cuda)), f"model '{path}'")

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 
 from pydantic import Field, model_validator
 
-from mbd.config import REPO_ROOT, DecodeConfig, StrictModel, load_yaml, resolve_path, validate
+from mbd.config import REPO_ROOT, DecodeConfig, StrictModel, load_decode, load_yaml, resolve_path, validate
 from mbd.eval.claims import Curve, load_curve
 from mbd.eval.report import CellMetrics, Method, MethodRow, method_rows
 from mbd.eval.sweep import ResultStore
@@ -74,12 +74,12 @@ class EvalSection(StrictModel):
 
     def overrides(self, path: str) -> list[dict[str, Any]]:
         """The curve of the method decoding with `path`: `curve`, plus `multibd_curve` when it is MultiBD."""
-        base = load_yaml(resolve_path(path), DecodeConfig)
+        base = load_decode(resolve_path(path))[0]
         return self.curve + (self.multibd_curve if base.buffer_size > 1 else [])
 
     def points(self, path: str) -> list[DecodeConfig]:
         """The curve's DecodeConfigs for one decode YAML (fails naming the bad override)."""
-        base = load_yaml(resolve_path(path), DecodeConfig)
+        base = load_decode(resolve_path(path))[0]
         return [validate(DecodeConfig, {**base.model_dump(), **o}, f"eval curve point {i} ({o}) on {path}")
                 for i, o in enumerate(self.overrides(path))]
 
@@ -210,7 +210,7 @@ def sweep_config(cfg: QuickstartConfig, out: Path, models: Sequence[tuple[str, P
         "name": out.parent.name, "output_dir": str(out),
         "models": [{"name": n, "path": str(p), "section": "tiny"} for n, p in models],
         "decoding": decoding, "benchmarks": [{"name": BENCHMARK, "limit": cfg.eval.problems}],
-        "batch_size": cfg.eval.batch_size, "trace_problems": cfg.eval.trace_problems, "device": "cpu",
+        "engine": {"device": "cpu", "max_batch_rows": cfg.eval.batch_size}, "trace_problems": cfg.eval.trace_problems,
         "workers": 1, "cpus_per_worker": 1, "cpus_per_scorer": 0.5,
     })
 

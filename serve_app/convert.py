@@ -100,7 +100,8 @@ class RequestConverter:
                                 "reserved for diffusion decoding", field)
         if len(ids) >= self.max_len:
             raise APIError(400, f"'{field}' is {len(ids)} tokens; this model's context is {self.max_len} tokens, "
-                                f"so at most {self.max_len - 1} prompt tokens fit", field, code="context_length_exceeded")
+                                f"so at most {self.max_len - 1} prompt tokens fit", field,
+                           code="context_length_exceeded")
 
     # ---- decoding parameters ----
 
