@@ -101,8 +101,7 @@ def served_request(device: str) -> dict:
 
     cuda = device == "cuda"
     cfg = load_yaml(SERVE_CONFIG, ServeConfig)
-    engine_cfg = cfg.engine.model_copy(update={"device": device, "dtype": "bfloat16" if cuda else "float32",
-                                               "max_batch_rows": 4})
+    engine_cfg = cfg.engine.model_copy(update={"device": device, "dtype": "bfloat16" if cuda else "float32"})
     model = cfg.model.model_copy(update={"num_gpus_per_rank": 1 if cuda else 0, "num_cpus_per_rank": 0.5})
     cfg = cfg.model_copy(update={"model": model, "engine": engine_cfg})
     engine = build_engine(TINY, cfg.decode, engine_cfg)
