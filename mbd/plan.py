@@ -235,9 +235,9 @@ def serve_plan(cfg: ModelConfig, decode: DecodeConfig, shape: ServeShape, device
     size, att = pool["size"], shape.attention
     n_buf, chunk = decode.buffer_size, min(shape.prefill_chunk, size)
     act = max(decode_activation(cfg, shape.tp, e, rows, n_buf, size, n_buf, att),
-              layer_activation(cfg, shape.tp, e, 1, chunk, size, att) + chunk * size)
-    plan.items.append(Item("activations", act, f"largest of a full-batch step and a {shape.prefill_chunk}-token "
-                                               f"prefill chunk at span {size:,}"))
+              layer_activation(cfg, shape.tp, e, 1, chunk, size, "sdpa") + chunk * size)
+    plan.items.append(Item("activations", act, f"largest of a full-batch step ({att}) and a {chunk}-token "
+                                               f"prefill chunk (dense mask) at span {size:,}"))
     plan.items.append(_graph_item(cfg, shape, decode, size, pages >= 1 + rows * pool["per_row"], e))
     plan.check_total()
     return plan
