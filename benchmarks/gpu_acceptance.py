@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bf16_drift import random_drift, tinymath_drift  # noqa: E402
-from benchmarks.hf_baseline import PlainBlockDiffusion, random_sdar, singlebd_config, to_qwen3  # noqa: E402
+from benchmarks.hf_baseline import PlainBlockDiffusion, random_sdar, to_qwen3  # noqa: E402
 from mbd.config import DecodeConfig, EngineConfig  # noqa: E402
 from mbd.decoding import Engine  # noqa: E402
 
@@ -165,7 +165,7 @@ def hf_row(s: Sizes, device: str) -> Row:
                         runs[name].append((sum(r.num_generated) / r.decode_s, r.token_ids))
                     else:
                         e = ours[name]
-                        t0, st = e.stats.step_s, e.stats.steps
+                        t0 = e.stats.step_s
                         res = e.generate(ps)
                         runs[name].append((sum(x.num_generated for x in res) / (e.stats.step_s - t0),
                                            [x.token_ids for x in res]))
