@@ -94,19 +94,18 @@ def served_request(device: str) -> dict:
     from ray import serve
 
     from mbd.config import load_yaml
-    from mbd.decoding.spec import EngineSpec, build_engine
+    from mbd.decoding.spec import build_engine
     from pipelines.ray_session import dashboard_port, free_port
     from serve_app.app import build_app
     from serve_app.config import ServeConfig
 
     cuda = device == "cuda"
     cfg = load_yaml(SERVE_CONFIG, ServeConfig)
-    model = cfg.model.model_copy(update={"device": device, "dtype": "bfloat16" if cuda else "float32",
-                                         "num_gpus_per_rank": 1 if cuda else 0, "max_batch_slots": 4,
-                                         "num_cpus_per_rank": 0.5})
-    cfg = cfg.model_copy(update={"model": model})
-    spec = EngineSpec(path=TINY, device=device, dtype=model.dtype, max_batch_slots=4)
-    engine = build_engine(spec, cfg.decode)
+    model = cfg.model.model_copy(update={"num_gpus_per_rank": 1 if cuda else 0, "num_cpus_per_rank": 0.5})
+    ecfg = cfg.engine.model_copy(update={"device": device, "dtype": "bfloat16" if cuda else "float32",
+                                         "max_batch_rows": 4, "batch_buckets": None, "cuda_graphs": "auto"})
+    cfg = cfg.model_copy(update={"model": model, "engine": ecfg})
+    engine = build_engine(TINY, cfg.decode, ecfg)
     prompt = "12+7="
     want = engine.generate([engine.tokenizer.encode(prompt)], {"max_new_tokens": 16})[0]
     port = free_port()

@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.hf_baseline import random_sdar  # noqa: E402
-from mbd.config import DecodeConfig, load_yaml  # noqa: E402
+from mbd.config import DecodeConfig, EngineConfig, load_decode  # noqa: E402
 from mbd.decoding import Engine  # noqa: E402
-from mbd.decoding.spec import EngineSpec, build_engine  # noqa: E402
+from mbd.decoding.spec import build_engine  # noqa: E402
 from mbd.eval.stats import paired_difference  # noqa: E402
 from mbd.tiny.benchmark import TinyMath  # noqa: E402
 
@@ -45,11 +45,11 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 
 def tinymath_drift(problems: int, device: str = "cpu", rows: int = 16) -> dict:
     """fp32 vs bf16 of the tiny model on the first `problems` held-out tinymath problems, SingleBD."""
-    bench, decode = TinyMath(), load_yaml(ROOT / SINGLEBD, DecodeConfig)
+    bench, decode = TinyMath(), load_decode(ROOT / SINGLEBD)[0]
     items = bench.load(limit=problems)
     out, correct, seconds = {}, {}, {}
     for dtype in ("float32", "bfloat16"):
-        engine = build_engine(EngineSpec(path=TINY, device=device, dtype=dtype, max_batch_slots=rows), decode)
+        engine = build_engine(TINY, decode, EngineConfig(device=device, dtype=dtype, max_batch_rows=rows))
         t0 = time.perf_counter()
         res = engine.generate([p.prompt_text for p in items])
         seconds[dtype] = time.perf_counter() - t0
@@ -71,7 +71,7 @@ def random_drift(size: str = "60m", block: int = 4, n_buf: int = 2, prompts: int
                           max_new_tokens=new, max_length=64 + new)
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        engine = Engine(model.to(dtype), None, decode, max_batch_slots=rows, device=device)
+        engine = Engine(model.to(dtype), None, decode, EngineConfig(max_batch_rows=rows, device=device))
         out[dtype] = [r.token_ids for r in engine.generate(ids)]
     return {"size": size, "block": block, "n_buf": n_buf, "prompts": prompts, "new_tokens": new,
             **agreement(out[torch.float32], out[torch.bfloat16])}
