@@ -5,11 +5,11 @@ that it costs the same few tensor ops for any batch and reduces each slot to cou
 revised); `counts`, `final_count` (TO_CACHE marking) and `plan` (finish, activation) are the per-request
 host part, plain integer arithmetic on those counts.
 
-Exact semantics (issue 4; the paper's alg:optimized_multibd writes `>` for progress/stability, the issue
-fixes `>=`, which we follow):
+Exact semantics (the paper's alg:optimized_multibd writes `>` for progress/stability; we use `>=`, so that a
+threshold of 1.0 can be met by a complete block):
 - progress(b) = non-mask tokens / B (prompt-tail tokens count); stability(b) = tokens that were already
   filled BEFORE this step and that this step left unchanged / tokens filled before this step (1 when none was
-  filled), as the authors' Diffulex `same_token_ratio` (issue 13): tokens M2T fills in this very step are not
+  filled), as the authors' Diffulex `same_token_ratio`: tokens M2T fills in this very step are not
   counted as unstable, so a block that fills in one step can still trigger the next one.
 - M2T: in each ACTIVE slot accept masked positions with confidence > tau_m2t, where confidence is the
   probability of the predicted token (greedy: the max probability; sampling: the sampled token's probability

@@ -92,7 +92,8 @@ def test_compiled_flex_logits_equal_sdpa_singlebd_b4():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block,n_buf", [(4, 1), (4, 3), (32, 1), (32, 2)])
+@pytest.mark.timeout(2400)  # each new shape compiles for ~10 s of CPU; a loaded machine stretches that
+@pytest.mark.parametrize("block,n_buf", [(4, 1), (4, 2), (32, 1), (32, 2)])
 def test_compiled_flex_logits_equal_sdpa_matrix(block, n_buf):
     """B=4 and B=32, SingleBD and MultiBD; a long prompt moves the key span through several buckets, and a
     request joining mid-run moves the batch bucket from 1 to 2."""
