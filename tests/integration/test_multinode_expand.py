@@ -49,23 +49,30 @@ def test_expand_on_three_nodes_survives_losing_one(multinode, tmp_path, monkeypa
                        max_length=64, gmax=3, n_rand=2, seed=11, sequences_per_task=PER_TASK)
     expected = reference_rows(cfg, corpus)
 
-    cluster = multinode(workers=(1, 1))
+    cluster = multinode(workers=(1, 1), head_cpus=0)  # the tasks run on the two worker nodes, two at a time
     head = cluster.cluster.head_node.node_id
     monkeypatch.setattr(expand_layouts, "expand_batch", expand_batch_marking_node)
     outcome = {}
-    job = threading.Thread(target=lambda: outcome.update(summary=run_expand(cfg)), daemon=True)
+
+    def expand() -> None:
+        try:
+            outcome["summary"] = run_expand(cfg)
+        except BaseException as e:  # reported by the assertions below
+            outcome["error"] = e
+
+    job = threading.Thread(target=expand, daemon=True)
     t0 = time.monotonic()
     job.start()
     deadline = time.monotonic() + 600
     while not {n for n in marked_nodes(cfg.output_dir) if n != head}:  # a worker node has expanded a block
-        assert job.is_alive() and time.monotonic() < deadline, "no block ran on a worker node"
+        assert job.is_alive() and time.monotonic() < deadline, f"no block ran on a worker node: {outcome}"
         time.sleep(0.2)
     before = Counter(marked_nodes(cfg.output_dir))
     victim = next(n for n in cluster.worker_nodes if n.node_id in before)
     cluster.remove_node(victim)
     removed_at = time.monotonic() - t0
     job.join(timeout=600)
-    assert not job.is_alive() and "summary" in outcome, "expansion did not finish after the node loss"
+    assert not job.is_alive() and "summary" in outcome, f"expansion did not finish after the node loss: {outcome}"
     after = Counter(marked_nodes(cfg.output_dir))
     print(f"\nnode removed after {removed_at:.1f}s with {sum(before.values())} blocks expanded "
           f"({dict(before)}); job done in {time.monotonic() - t0:.1f}s; blocks per node {dict(after)}; "
