@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 from pydantic import Field, model_validator
 
-from mbd.config import DecodeConfig, StrictModel, parse_dtype, resolve_path
+from mbd.config import DecodeConfig, StrictModel, parse_dtype
 from mbd.decoding.engine import Engine
+from mbd.hub import resolve_model
 from mbd.model.tp import SINGLE, TPGroup
 from mbd.tokenizer import Tokenizer
 
@@ -24,7 +25,8 @@ from mbd.tokenizer import Tokenizer
 class EngineSpec(StrictModel):
     """What it takes to build an engine over one model directory on one device (or one tensor-parallel rank)."""
 
-    path: str = Field(description="model directory: config.json, *.safetensors, tokenizer.json")
+    path: str = Field(description="model directory (config.json, *.safetensors, tokenizer.json) or a Hugging Face "
+                      "Hub id ORG/NAME[@REVISION] (mbd.hub)")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto: cuda if available")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="auto: bfloat16 on cuda, float32 on cpu")
@@ -47,8 +49,8 @@ class EngineSpec(StrictModel):
 
     def resolved_path(self) -> Path:
         """Absolute model directory: relative paths from the working directory, then the repository root, so
-        `mbd/assets/tiny` works from any directory and inside the Docker image."""
-        return resolve_path(self.path).resolve()
+        `mbd/assets/tiny` works from any directory and inside the Docker image; a Hub id: its cached snapshot."""
+        return resolve_model(self.path).resolve()
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
