@@ -35,6 +35,8 @@ from torch import nn
 
 from mbd.config import ConfigError, DecodeConfig, validate
 from mbd.decoding.cache_manager import CacheManager
+from mbd.decoding.constraints import ConstraintSpec, GrammarVocab
+from mbd.decoding.guided import Guide, merge_counts
 from mbd.decoding.policy import Sampler, policy_for
 from mbd.decoding.runner import ModelRunner, PrefillChunk
 from mbd.decoding.scheduler import Scheduler
@@ -87,6 +89,7 @@ class EngineStats:
     prefix_query_tokens: int = 0  # block-aligned prompt tokens looked up in the prefix cache at admission
     prefix_hit_tokens: int = 0  # of those, tokens whose K/V came from cached pages (their prefill was skipped)
     preemptions: int = 0  # requests sent back to the queue because the KV page pool ran out
+    grammar_s: float = 0.0  # of step_s, the grammar matchers' (masks before the decision, settling after)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -142,6 +145,16 @@ class Engine:
         # per row: slot states + committed cache length, as last written to the device
         self._host_rows = [self.buf.slot_states(0, 0, self.n_buf) + [0] for _ in range(max_batch_slots)]
         self.stats = EngineStats()
+        self._guide: Guide | None = None  # built with the first constrained request
+
+    def guide(self) -> Guide:
+        """Structured output's side of the policy (mbd.decoding.guided), over this model's vocabulary."""
+        if self._guide is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer (tokenizer.json)")
+            vocab = GrammarVocab(self.tokenizer.tok, self.model.cfg.vocab_size, sorted(self._stop_set))
+            self._guide = Guide(vocab, self.block, self.mask_id)
+        return self._guide
 
     # ----------------------------------------------------------------- requests
     def resolve_params(self, params: Params) -> DecodeConfig:
@@ -161,8 +174,11 @@ class Engine:
             raise ValueError(f"request strategy={cfg.strategy} differs from the engine's {self.cfg.strategy}")
         return cfg
 
-    def add_request(self, prompt_ids: list[int], params: Params = None, request_id: str | None = None) -> str:
-        return self._add(prompt_ids, params, request_id).id
+    def add_request(self, prompt_ids: list[int], params: Params = None, request_id: str | None = None,
+                    constraint: ConstraintSpec | None = None) -> str:
+        """Queue a request; `constraint`: structured output (what it may commit), refused with a
+        ConstraintError (a ValueError) when it cannot be honoured exactly."""
+        return self._add(prompt_ids, params, request_id, constraint).id
 
     def check_request(self, prompt_ids: Sequence[int], params: Params = None) -> tuple[list[int], RequestParams]:
         """The one request check (the CLI, the eval sweeps and every served replica go through it): prompt ids
@@ -183,9 +199,12 @@ class Engine:
                              f"but the pool holds {self.kv.capacity}: lower max_new_tokens or raise kv_cache_bytes")
         return ids, p
 
-    def _add(self, prompt_ids: Sequence[int], params: Params, request_id: str | None) -> Request:
+    def _add(self, prompt_ids: Sequence[int], params: Params, request_id: str | None,
+             constraint: ConstraintSpec | None = None) -> Request:
         ids, p = self.check_request([int(t) for t in prompt_ids], params)
         req = Request(request_id or uuid.uuid4().hex, ids, p, self.block)
+        if constraint is not None:
+            self.guide().start(req, constraint)
         if self.trace:
             req.trace = []
         if p.temperature > 0:
@@ -334,28 +353,39 @@ class Engine:
         span = self.runner.span(max(r.cache_len for _, r in running), S)
         logits, idx = self.runner.forward(b, S, span, A, [c for _, c in chunks], self.kv.at_home(b))
         tokens = buf.tokens[:b, :Q]
-        parts, t2t, conf = [], None, None
+        parts, t2t, conf, force = [], None, None, None
         has_t2t = any(r.params.tau_t2t is not None for _, r in running)
+        guided = bool(A) and any(r.grammar is not None for _, r in running)
         if A:
             fixed = None
-            if any(r.cache_len < r.prompt_len for _, r in running):  # a prompt tail is still in a buffer
+            if guided:  # grammar frontiers: masked logits there, nothing accepted before it revised
+                lo = [0] * b
+                for row, r in running:
+                    lo[row] = min(r.n_tc, S - A)
+                pos = self.runner.positions(b, S).gather(1, idx)
+                fixed, force = self._guide.before(running, logits, pos, lo, buf.prompt_len[:b])
+            elif any(r.cache_len < r.prompt_len for _, r in running):  # a prompt tail is still in a buffer
                 fixed = self.runner.positions(b, S).gather(1, idx) < buf.prompt_len[:b, None]
             t2t = buf.tau_t2t[:b] if has_t2t else None
             samplers = [Sampler(row, r.params.temperature, r.generator, r.params.top_p, r.params.top_k)
                         for row, r in running if r.generator is not None]
             slots = idx[:, ::B] // B
             dec = self.policy.update(logits, tokens.gather(1, idx), buf.state[:b].gather(1, slots), buf.tau_m2t[:b],
-                                     buf.semi_max_masked[:b], fixed, t2t, samplers)
+                                     buf.semi_max_masked[:b], fixed, t2t, samplers, force)
             updated = tokens.scatter(1, idx, dec.tokens)
             if any(r.logprobs is not None for _, r in running):
                 # logprobs: the probability each token was accepted (or last revised) with, where it changed
                 full = torch.full(tokens.shape, -1.0, device=tokens.device).scatter(1, idx, dec.conf.float())
                 conf = torch.where(updated != tokens, full, -1.0).tolist()
-            tokens = updated
             parts = [dec.masked_in, dec.accepted] + ([dec.revised] if t2t is not None else [])
+            if guided:
+                parts.append(tokens)  # the tokens before the decision, for the grammar's recount
+            tokens = updated
+        old_at = Q + A * (len(parts) - 1)
         if self.trace:
             parts.append(buf.state[:b])  # forward-time states
         summary = torch.cat([tokens, *parts], 1).tolist()  # the step's single device -> host transfer
+        fixes = self._guide.after(running, summary, old_at, S, tokens) if guided else {}
         pops = [0] * b  # the TO_CACHE slots this forward re-ran are committed and popped
         for row, req in running:
             pops[row] = req.n_tc
@@ -377,6 +407,8 @@ class Engine:
             accepted = [0] * lo + s[k:k + A] + [0] * len(pad)
             revised = [0] * lo + s[k + A:k + 2 * A] + [0] * len(pad) if has_t2t else None
             filled, unchanged = self.policy.counts(masked_in, accepted, revised)
+            if row in fixes:
+                filled, unchanged = merge_counts(fixes[row], filled, unchanged)
             if req.trace is not None:  # skipped DUMMY slots: all masks
                 req.trace.append(step_entry(s[-self.n_buf:], masked_in + [B] * (self.n_buf - S), req.cache_len, B))
             req.nfe += 1
@@ -424,6 +456,8 @@ class Engine:
             req.step_time_s += dt
         self.stats.steps += 1
         self.stats.step_s += dt
+        if self._guide is not None:
+            self.stats.grammar_s, self._guide.seconds = self.stats.grammar_s + self._guide.seconds, 0.0
         return outs
 
     def _emit(self, req: Request, toks: list[int], base: int, lo_slot: int, hi_slot: int) -> list[int]:
@@ -481,9 +515,11 @@ class Engine:
         return self.tokenizer.encode(prompt)
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: Params = None,
-                 chat: bool = True) -> list[GenerationResult]:
-        """Decode all prompts with continuous batching and return their results in order."""
-        reqs = [self._add(self.encode(p, chat), params, None) for p in prompts]
+                 chat: bool = True, constraints: Sequence[ConstraintSpec | None] | None = None) -> list[GenerationResult]:
+        """Decode all prompts with continuous batching and return their results in order (`constraints`: one
+        per prompt, structured output)."""
+        cons = constraints if constraints is not None else [None] * len(prompts)
+        reqs = [self._add(self.encode(p, chat), params, None, c) for p, c in zip(prompts, cons, strict=True)]
         pending = {r.id for r in reqs}
         while pending:
             for out in self.step():

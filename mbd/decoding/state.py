@@ -13,9 +13,14 @@ import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mbd.config import DecodeConfig
+
+if TYPE_CHECKING:
+    from mbd.decoding.constraints import Matcher
 
 
 class SlotState(IntEnum):
@@ -146,6 +151,8 @@ class Request:
     trace: list[dict] | None = None
     generator: torch.Generator | None = None
     logprobs: dict[int, float] | None = None  # absolute position -> log-probability of its current token
+    grammar: Matcher | None = None  # structured output: the matcher of what may be committed (kept on preemption)
+    frontier: int = 0  # with a grammar: the first absolute position its matcher has not accepted
 
     def __post_init__(self) -> None:
         self.known, self.aligned_len = list(self.prompt_ids), len(self.prompt_ids) // self.block * self.block

@@ -58,9 +58,10 @@ SCHEMAS = {
     },
     "number": {
         "type": "object",
-        "properties": {"score": {"type": "number", "minimum": 0, "maximum": 100},
+        # multipleOf bounds the fraction digits: a plain number lets weights loop on digits to the length limit
+        "properties": {"score": {"type": "number", "minimum": 0, "maximum": 100, "multipleOf": 0.25},
                        "count": {"type": "integer", "minimum": 1, "maximum": 9999},
-                       "ratio": {"type": ["number", "null"]}},
+                       "ratio": {"type": ["number", "null"], "minimum": -10, "maximum": 10, "multipleOf": 0.5}},
         "required": ["score", "count", "ratio"], "additionalProperties": False,
     },
     "pattern": {
