@@ -353,7 +353,7 @@ class Engine:
         span = self.runner.span(max(r.cache_len for _, r in running), S)
         logits, idx = self.runner.forward(b, S, span, A, [c for _, c in chunks], self.kv.at_home(b))
         tokens = buf.tokens[:b, :Q]
-        parts, t2t, conf, force = [], None, None, None
+        parts, t2t, conf = [], None, None
         has_t2t = any(r.params.tau_t2t is not None for _, r in running)
         guided = bool(A) and any(r.grammar is not None for _, r in running)
         if A:
@@ -363,7 +363,7 @@ class Engine:
                 for row, r in running:
                     lo[row] = min(r.n_tc, S - A)
                 pos = self.runner.positions(b, S).gather(1, idx)
-                fixed, force = self._guide.before(running, logits, pos, lo, buf.prompt_len[:b])
+                fixed = self._guide.before(running, logits, pos, lo, buf.prompt_len[:b])
             elif any(r.cache_len < r.prompt_len for _, r in running):  # a prompt tail is still in a buffer
                 fixed = self.runner.positions(b, S).gather(1, idx) < buf.prompt_len[:b, None]
             t2t = buf.tau_t2t[:b] if has_t2t else None
@@ -371,7 +371,7 @@ class Engine:
                         for row, r in running if r.generator is not None]
             slots = idx[:, ::B] // B
             dec = self.policy.update(logits, tokens.gather(1, idx), buf.state[:b].gather(1, slots), buf.tau_m2t[:b],
-                                     buf.semi_max_masked[:b], fixed, t2t, samplers, force)
+                                     buf.semi_max_masked[:b], fixed, t2t, samplers)
             updated = tokens.scatter(1, idx, dec.tokens)
             if any(r.logprobs is not None for _, r in running):
                 # logprobs: the probability each token was accepted (or last revised) with, where it changed

@@ -2,8 +2,9 @@
 
 Around the policy's per-step decision, for the rows whose request carries a grammar matcher:
 - `before` (after the forward, before the decision): masks the logits at each row's frontier to what the
-  grammar allows there, and returns the frontier per row, so that the policy forces the frontier position
-  (`force`) and leaves every accepted position alone (`frozen`: T2T never revises an accepted token);
+  grammar allows there, so that whenever the policy fills that position (by its own rules: forcing it every
+  step cost the tiny model a quarter of its accuracy, docs/structured-output.md) the grammar decides the
+  token; and returns the positions before each frontier, which T2T must not revise (`fixed`);
 - `after` (after the step's one device-to-host transfer): walks each row's proposals from its frontier
   (`constraints.settle`), writes the rows it changed back into the device tokens (one indexed write), and
   recounts that row's per-slot filled / kept counts from its tokens before and after the step, so that TO_CACHE
@@ -43,11 +44,10 @@ class Guide:
         req.frontier = req.prompt_len
 
     def before(self, running: list[tuple[int, Request]], logits: torch.Tensor, pos: torch.Tensor, lo: list[int],
-               prompt_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               prompt_len: torch.Tensor) -> torch.Tensor:
         """Mask `logits` [b, A*B, V] (window positions `pos` [b, A*B], absolute) at each constrained row's
-        frontier, in place; `lo[row]`: the row's first window slot. Returns (frozen [b, A*B]: positions before
-        the row's frontier, or before its prompt's end without a grammar; force [b, A*B]: the frontier
-        position of constrained rows, which the policy fills whatever its confidence)."""
+        frontier, in place; `lo[row]`: the row's first window slot. Returns `fixed` [b, A*B]: positions before
+        the row's frontier (before its prompt's end for a row without a grammar)."""
         t0 = time.perf_counter()
         width = pos.shape[1]
         rows, cols, fronts = [], [], []
@@ -58,10 +58,10 @@ class Guide:
             j = req.frontier - req.cache_len - lo[row] * self.block
             if 0 <= j < width:
                 rows.append(row), cols.append(j)
-        frontier, at = prompt_len.clone(), torch.full_like(prompt_len, -1)
+        frontier = prompt_len.clone()
         if fronts:
             idx, val = zip(*fronts)
-            frontier[list(idx)] = at[list(idx)] = torch.tensor(val, device=frontier.device)
+            frontier[list(idx)] = torch.tensor(val, device=frontier.device)
         if rows:
             bm = new_bitmask(len(rows), self.vocab.vocab_size)
             by_row = dict(running)
@@ -71,7 +71,7 @@ class Guide:
             r, c = torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)
             logits[r, c] = mask_logits(logits[r, c], bm.to(logits.device))
         self.seconds += time.perf_counter() - t0
-        return pos < frontier[:, None], pos == at[:, None]
+        return pos < frontier[:, None]
 
     def _stop_only_at_dead_ends(self, bm: torch.Tensor) -> None:
         """A state from which the vocabulary cannot go on (no bit set) may only end: its output stops there,

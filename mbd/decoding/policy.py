@@ -119,12 +119,11 @@ class Policy:
 
     def update(self, logits: torch.Tensor, tokens: torch.Tensor, state: torch.Tensor, tau_m2t: torch.Tensor,
                semi_max_masked: torch.Tensor, fixed: torch.Tensor | None = None, tau_t2t: torch.Tensor | None = None,
-               samplers: list[Sampler] = (), force: torch.Tensor | None = None) -> Decision:
+               samplers: list[Sampler] = ()) -> Decision:
         """Token updates of one forward. logits [R,Q,V] over tokens [R,Q] in slots with `state` [R,S];
         tau_m2t [R,1,1]; semi_max_masked [R,1] (see `semi_max_masked`); fixed [R,Q] marks prompt tokens
         (None: none resident); tau_t2t [R,1] (> 1 disables a row) or None. Few, batch-wide tensor ops:
-        on CPU their count, not their size, is the engine's overhead. `logits` is modified in place.
-        force [R,Q]: masked ACTIVE positions filled whatever their confidence (a grammar's frontier)."""
+        on CPU their count, not their size, is the engine's overhead. `logits` is modified in place."""
         R, Q, _ = logits.shape
         S, B = state.shape[1], self.block
         conf, x0 = self.predict(logits, samplers)
@@ -140,8 +139,6 @@ class Policy:
         # fallback: a candidate exists (top >= 0), none passed tau_m2t (top <= tau), context semi-complete
         need = (top >= 0) & (top <= tau_m2t) & semi.unsqueeze(-1)
         accept |= (self._arange(best.device) == best) & need
-        if force is not None:
-            accept |= force.view(R, S, B) & masked & active
         new = torch.where(accept.view(R, Q), x0, tokens)
         revised = None
         if tau_t2t is not None:
@@ -228,7 +225,7 @@ class DMaxPolicy(Policy):
 
     def update(self, logits: torch.Tensor, tokens: torch.Tensor, state: torch.Tensor, tau_m2t: torch.Tensor,
                semi_max_masked: torch.Tensor, fixed: torch.Tensor | None = None, tau_t2t: torch.Tensor | None = None,
-               samplers: list[Sampler] = (), force: torch.Tensor | None = None) -> Decision:
+               samplers: list[Sampler] = ()) -> Decision:
         if tau_t2t is None:
             raise ValueError("strategy dmax needs tau_t2t (DMax revises every changed token: tau_t2t 0)")
         R, Q, _ = logits.shape
@@ -241,8 +238,6 @@ class DMaxPolicy(Policy):
         accept = cand & before_low
         first = cand & (torch.cumsum(cand.int(), -1) == 1)
         accept |= first & ~accept.any(-1, keepdim=True)
-        if force is not None:
-            accept |= force.view(R, S, B) & cand
         new = torch.where(accept.view(R, Q), x0, tokens)
         revise = (~masked & (state == ACTIVE).unsqueeze(-1)).view(R, Q) & (x0 != tokens) & (conf > tau_t2t)
         if fixed is not None:

@@ -78,3 +78,25 @@ def test_refusals_happen_at_admission(setup):
     with pytest.raises(ConstraintError, match="uniqueItems"):
         eng.add_request([5, 6], constraint=ConstraintSpec.json_schema({"type": "array", "uniqueItems": True}))
     assert not eng.has_unfinished()
+
+
+def test_tiny_model_regex_and_choice():
+    """The tiny model's alphabet has no braces or quotes: it is constrained to its answer format by a regex
+    (every output matches it) and to a choice (every output is one of them); JSON is refused as inexpressible."""
+    import re
+
+    from benchmarks.structured_output import TINY_REGEX
+    from mbd.decoding import EngineSpec, build_engine
+    from mbd.tiny.benchmark import TinyMath
+    from pipelines.generate import load_decode_config
+
+    cfg = load_decode_config("configs/decode/tiny_multibd.yaml")
+    eng = build_engine(EngineSpec(path="mbd/assets/tiny", device="cpu", max_batch_slots=8), cfg)
+    problems = [p.prompt_text for p in TinyMath().load(limit=6)]
+    regex = ConstraintSpec("regex", TINY_REGEX, "regex")
+    choice = ConstraintSpec.choice(["yes", "no", "42"])
+    res = eng.generate(problems + problems[:3], constraints=[regex] * 6 + [choice] * 3)
+    assert all(re.fullmatch(TINY_REGEX, r.text) for r in res[:8]), [r.text for r in res[:8]]
+    assert all(r.text in ("yes", "no", "42") and r.finish_reason == "eos" for r in res[6:])
+    with pytest.raises(ConstraintError, match="vocabulary cannot express"):
+        eng.add_request([5, 6], constraint=ConstraintSpec("json_object"))
