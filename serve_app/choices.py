@@ -1,0 +1,132 @@
+"""One choice = one engine request seen from the ingress: its decoder stream, released text and token accounting.
+
+The decoder streams committed token ids; a `Choice` turns them into text `Piece`s (stop strings applied,
+detokenization off the event loop), and `merge` interleaves the pieces of several choices (n > 1, prompt lists).
+Leaving a stream early (client gone, stop string hit) aborts its request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+from actors.decoder import Delta
+from mbd.detokenize import TextStream
+from serve_app.protocol import MBDStats, Usage
+
+Sync = Callable[..., Awaitable]  # runs a function off the event loop and awaits its result
+
+
+@dataclass
+class Piece:
+    """Text released for one choice, with the tokens (and log-probabilities) that produced it."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str | None = None  # set on the choice's last piece
+
+
+class Choice:
+    """One engine request: `deltas` is its decoder stream after the `first` delta (already awaited), `cancel`
+    aborts it."""
+
+    def __init__(self, index: int, prompt: list[int], text: TextStream, deltas: AsyncIterator[Delta],
+                 cancel: Callable[[], None], first: Delta):
+        self.index, self.prompt, self.text, self.deltas, self.cancel = index, prompt, text, deltas, cancel
+        self.first = self.last = first
+        self.logprobs: list[float] = []
+        self.sent = 0  # tokens already reported in pieces
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.text.stopped or self.last.finish_reason == "eos" else "length"
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.text.token_ids[: self.text.returned_tokens]
+
+    def _piece(self, text: str, upto: int, finish: str | None) -> Piece:
+        ids = self.text.token_ids[self.sent:upto]
+        lps = self.logprobs[self.sent:upto] if self.last.logprobs is not None else None
+        self.sent = max(self.sent, upto)
+        return Piece(self.index, text, ids, lps, finish)
+
+    async def pieces(self, sync: Sync) -> AsyncIterator[Piece]:
+        """Pieces until the engine finishes or a stop string is hit (detokenization runs through `sync`,
+        off the event loop); leaving early (client gone) aborts the request in the engine."""
+        done = False
+        try:
+            d: Delta | None = self.first
+            while d is not None:
+                self.last = d
+                self.logprobs += d.logprobs or []
+                text, upto = await sync(self._push, d.token_ids)
+                if text:
+                    yield self._piece(text, upto, None)
+                done = d.finished
+                if done or self.text.stopped:
+                    break
+                d = await anext(self.deltas, None)
+            tail, upto = await sync(self._finish)
+            yield self._piece(tail, upto, self.finish_reason)
+        finally:
+            if not done:
+                self.cancel()
+
+    def _push(self, ids: list[int]) -> tuple[str, int]:
+        return self.text.push(ids), self.text.released_tokens
+
+    def _finish(self) -> tuple[str, int]:
+        return self.text.finish(), self.text.returned_tokens
+
+
+async def merge(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
+    """The pieces of several choices as they come; closing it closes every stream (aborting its request)."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for x in only:
+                yield x
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(s: AsyncIterator[Piece]) -> None:
+        try:
+            async with aclosing(s):
+                async for x in s:
+                    await q.put(x)
+            await q.put(None)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await q.put(e)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            x = await q.get()
+            if x is None:
+                left -= 1
+            elif isinstance(x, Exception):
+                raise x
+            else:
+                yield x
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage(prompts: list[list[int]], choices: list[Choice], so_far: bool = False) -> Usage:
+    """Prompt tokens once per prompt; completion tokens: those returned (cut at a stop string), or with
+    so_far those sent in the stream up to now."""
+    n_prompt = sum(len(p) for p in prompts)
+    n = sum(c.sent if so_far else c.text.returned_tokens for c in choices)
+    return Usage(prompt_tokens=n_prompt, completion_tokens=n, total_tokens=n_prompt + n)
+
+
+def mbd_stats(choices: list[Choice], buffer_size: int) -> MBDStats:
+    nfe, gen = sum(c.last.nfe for c in choices), sum(c.last.num_generated for c in choices)
+    return MBDStats(nfe=nfe, tpf=round(gen / nfe, 4) if nfe else 0.0, num_generated=gen, buffer_size=buffer_size)

@@ -1,0 +1,148 @@
+"""Request conversion: an OpenAI request becomes prompt token ids and one `DecodeConfig` per engine request.
+
+The checks here are the ones only the HTTP layer can make: which model the request names, fields OpenAI has
+and a diffusion LM cannot honour, and this deployment's limits (max_tokens, temperature, Block Buffer, choices).
+Prompt ids go through the engine's own request check, re-worded to name the HTTP field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from mbd.config import DecodeConfig, ModelConfig
+from mbd.tokenizer import Tokenizer, TokenizerError
+from serve_app.config import ServeConfig
+from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, field_path
+
+MBD_FIELDS = ("buffer_size", "tau_add", "tau_semi", "tau_stable", "tau_m2t", "tau_t2t")
+
+
+class RequestConverter:
+    def __init__(self, cfg: ServeConfig, model_cfg: ModelConfig, tok: Tokenizer):
+        self.cfg, self.model_cfg, self.tok = cfg, model_cfg, tok
+        self.name = cfg.model.name
+        self.max_len = min(cfg.decode.max_length, model_cfg.max_position_embeddings)
+
+    def check_model(self, req: SamplingFields) -> None:
+        if req.model != self.name:
+            raise APIError(404, f"model '{req.model}' does not exist; this server serves '{self.name}' "
+                                "(see GET /v1/models)", "model", "not_found_error", "model_not_found")
+
+    def check_completion(self, req: CompletionRequest) -> None:
+        self.check_model(req)
+        if req.echo:
+            raise APIError(400, "echo is not supported: a diffusion LM does not score its prompt", "echo")
+        if req.logprobs:
+            raise APIError(400, f"logprobs={req.logprobs} asks for top alternatives, which are not available: "
+                                "logprobs=0 returns each token's own log-probability", "logprobs")
+
+    def check_chat(self, req: ChatCompletionRequest) -> None:
+        self.check_model(req)
+        if req.top_logprobs:
+            raise APIError(400, f"top_logprobs={req.top_logprobs} asks for top alternatives, which are not "
+                                "available: logprobs=true returns each token's own log-probability", "top_logprobs")
+
+    # ---- prompts (these run in the tokenizer pool, off the event loop) ----
+
+    def encode_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        """One token list per prompt (a string, a token-id list, or a list of either)."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts, fields = [prompt], ["prompt"]
+        else:
+            prompts, fields = list(prompt), [f"prompt[{i}]" for i in range(len(prompt))]
+        if not prompts:
+            raise APIError(400, "'prompt' is empty: send at least one token", "prompt")
+        if len(prompts) > self.cfg.limits.max_choices:
+            raise APIError(400, f"'prompt' has {len(prompts)} prompts; at most {self.cfg.limits.max_choices} "
+                                "(limits.max_choices) fit in one request", "prompt")
+        out = []
+        for p, field in zip(prompts, fields):
+            ids = self.tok.encode(p) if isinstance(p, str) else list(p)
+            self.check_ids(ids, field)
+            out.append(ids)
+        return out
+
+    @staticmethod
+    def messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+        """Messages with plain-string content: text parts are joined, any other part type is refused."""
+        out = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if not isinstance(content, str):
+                for j, part in enumerate(content):
+                    if part.type != "text" or part.text is None:
+                        what = "a text part without 'text'" if part.type == "text" else f"type '{part.type}'"
+                        raise APIError(400, f"messages[{i}].content[{j}]: content part {what} is not supported: this "
+                                            "model reads only {'type': 'text', 'text': ...} parts",
+                                       f"messages[{i}].content[{j}].type")
+                content = "".join(part.text or "" for part in content)
+            out.append({"role": m.role, "content": content})
+        return out
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            ids = self.tok.encode_chat(messages)
+        except TokenizerError as e:
+            raise APIError(400, str(e), "messages") from e
+        self.check_ids(ids, "messages")
+        return ids
+
+    def check_ids(self, ids: list[int], field: str) -> None:
+        if not ids:
+            raise APIError(400, f"'{field}' is empty: send at least one token", field)
+        bad = next((t for t in ids if not 0 <= t < self.model_cfg.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"'{field}' has token id {bad} outside [0, {self.model_cfg.vocab_size})", field)
+        if self.model_cfg.mask_token_id in ids:
+            raise APIError(400, f"'{field}' contains the mask token (id {self.model_cfg.mask_token_id}), which is "
+                                "reserved for diffusion decoding", field)
+        if len(ids) >= self.max_len:
+            raise APIError(400, f"'{field}' is {len(ids)} tokens; this model's context is {self.max_len} tokens, "
+                                f"so at most {self.max_len - 1} prompt tokens fit", field, code="context_length_exceeded")
+
+    # ---- decoding parameters ----
+
+    def check_choices(self, req: SamplingFields, n_prompts: int) -> None:
+        if n_prompts * req.n > self.cfg.limits.max_choices:
+            raise APIError(400, f"{n_prompts} prompt(s) x n={req.n} choices exceed the limit of "
+                                f"{self.cfg.limits.max_choices} (limits.max_choices)", "n")
+
+    def params(self, req: SamplingFields, n_prompt: int) -> DecodeConfig:
+        """Per-request DecodeConfig: the deployment's, overridden by the request within the deployment's bounds."""
+        d, lim = self.cfg.decode, self.cfg.limits
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) not in (None, 0):
+                raise APIError(400, f"{name}={getattr(req, name)} is not supported: a diffusion LM decodes blocks in "
+                                    "parallel, so no token history penalty applies; only 0 is accepted", name)
+        room = self.max_len - n_prompt
+        cap = min(d.max_new_tokens, room)
+        limit, field = req.token_limit()
+        if req.max_tokens is not None and limit != req.max_tokens:
+            raise APIError(400, "max_tokens and max_completion_tokens differ: send one of them", "max_tokens")
+        max_tokens = limit if limit is not None else min(lim.default_max_tokens or cap, cap)
+        if max_tokens > d.max_new_tokens:
+            raise APIError(400, f"{field}={max_tokens} exceeds this deployment's limit of {d.max_new_tokens}", field)
+        if max_tokens > room:
+            raise APIError(400, f"prompt ({n_prompt} tokens) + {field} ({max_tokens}) exceeds the context "
+                                f"length {self.max_len}", field, code="context_length_exceeded")
+        if req.temperature is not None and req.temperature > lim.max_temperature:
+            raise APIError(400, f"temperature={req.temperature} exceeds the maximum {lim.max_temperature}",
+                           "temperature")
+        if req.buffer_size is not None and req.buffer_size > d.buffer_size:
+            raise APIError(400, f"buffer_size={req.buffer_size} exceeds the deployment's Block Buffer of "
+                                f"{d.buffer_size} slots", "buffer_size")
+        if any(not s for s in req.stop_list()):
+            raise APIError(400, "'stop' strings must not be empty", "stop")
+        update: dict[str, Any] = {k: getattr(req, k) for k in MBD_FIELDS if getattr(req, k) is not None}
+        update |= {"max_new_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": req.wants_logprobs()}
+        update |= {k: getattr(req, k) for k in ("temperature", "top_p", "seed") if getattr(req, k) is not None}
+        if req.top_k is not None:
+            update["top_k"] = max(req.top_k, 0)  # vLLM's -1 = all tokens = our 0
+        try:
+            return DecodeConfig.model_validate(d.model_dump() | update)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = field_path(tuple(err["loc"]))
+            raise APIError(400, f"invalid decoding parameters: {err['msg']}", param or "buffer_size") from e

@@ -1,0 +1,46 @@
+"""The decoder deployment: one replica = one placement group = tensor_parallel_size ranks hosting the Block Buffer
+engine (actors/decoder.py). It streams each request's committed blocks back to the ingress."""
+
+from __future__ import annotations
+
+import os
+from typing import AsyncIterator
+
+from ray import serve
+
+from actors.decoder import Delta, EngineHost
+from actors.tp_worker import ModelSpec
+from mbd.config import DecodeConfig
+from serve_app.metrics import DecoderMetrics
+
+
+@serve.deployment
+class Decoder:
+    """Engine host replica: streams each request's committed blocks. With `per_block=False` they are merged into
+    one final Delta, so a non-streaming request costs one Ray stream item instead of one per block."""
+
+    def __init__(self, spec: ModelSpec, decode: DecodeConfig):
+        self.metrics = DecoderMetrics()
+        self.host = EngineHost(spec, decode, on_step=self.metrics.update)
+
+    async def generate(self, prompt_ids: list[int], params: DecodeConfig, per_block: bool = True
+                       ) -> AsyncIterator[Delta]:
+        self.host.validate(prompt_ids, params)
+        merged = Delta()
+        async for d in self.host.generate(prompt_ids, params):
+            if per_block:
+                yield d
+            else:
+                merged = merged.merge(d)
+        if not per_block:
+            yield merged
+
+    def check_health(self) -> None:
+        self.host.check()
+
+    def stats(self) -> dict[str, float]:
+        return self.host.stats() | {"pid": os.getpid()}
+
+    def __del__(self) -> None:
+        if hasattr(self, "host"):
+            self.host.shutdown()

@@ -1,0 +1,72 @@
+"""Server-sent events: how the pieces of a streaming request become `data:` events.
+
+The endpoint says what one chunk looks like (`chunk`, `tail`, optional `heads`); this module owns the order
+(heads, chunks as text is released, then usage and the MBD statistics), the in-band error when generation fails
+after the status line went out, and the closing `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from fastapi.responses import StreamingResponse
+
+from serve_app.choices import Choice, Piece, Sync, mbd_stats, merge, usage
+from serve_app.protocol import ErrorBody, ErrorResponse, MBDStats, SamplingFields, Usage
+
+log = logging.getLogger("ray.serve")
+DONE = "data: [DONE]\n\n"
+
+
+def event(obj: Any) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+def response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def events(req: SamplingFields, choices: list[Choice], prompts: list[list[int]], sync: Sync, buffer_size: int,
+                 chunk: Callable[[Piece], Any], tail: Callable[[Usage | None, MBDStats], Any],
+                 on_done: Callable[[], None], heads: Sequence[Any] = ()) -> AsyncIterator[str]:
+    """The SSE stream: per-choice chunks as text is released, then (stream_options.include_usage) a chunk
+    with no choices and the usage; the MBD statistics ride on the last chunk. A failure mid-way ends every
+    unfinished choice with finish_reason "error" and an error event (details stay in the server log)."""
+    finished: set[int] = set()
+    last: Any = None
+    continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
+    try:
+        for h in heads:
+            if continuous:
+                h.usage = usage(prompts, choices, so_far=True)
+            yield event(h)
+        async with aclosing(merge([c.pieces(sync) for c in choices])) as pieces:
+            async for p in pieces:
+                if p.finish_reason is not None:
+                    finished.add(p.index)
+                if last is not None:
+                    yield event(last)
+                last = chunk(p)
+                if continuous:
+                    last.usage = usage(prompts, choices, so_far=True)
+        on_done()
+        stats = mbd_stats(choices, buffer_size)
+        if req.stream_options is not None and req.stream_options.include_usage:
+            if last is not None:
+                yield event(last)
+            yield event(tail(usage(prompts, choices), stats))
+        elif last is not None:
+            last.mbd = stats
+            yield event(last)
+    except Exception:  # noqa: BLE001 - the status line is sent already: report in-band
+        log.exception("generation failed mid-stream")
+        if last is not None:
+            yield event(last)
+        for c in choices:
+            if c.index not in finished:
+                yield event(chunk(Piece(c.index, "", [], None, "error")))
+        yield event(ErrorResponse(error=ErrorBody(message="generation failed; retry the request", type="server_error")))
+    yield DONE
