@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.tp_worker import Lockstep, ModelSpec, Op, TPWorker, free_port, init_tp
 from mbd.config import DecodeConfig
+from mbd.decoding.constraints import ConstraintSpec
 from mbd.decoding.engine import Engine, StepOutput
 from mbd.decoding.spec import build_engine
 
@@ -45,11 +46,12 @@ class Delta:
     nfe: int = 0
     num_generated: int = 0
     logprobs: list[float] | None = None  # of token_ids, when the request asked for them
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     def merge(self, later: "Delta") -> "Delta":
         lps = None if later.logprobs is None else (self.logprobs or []) + later.logprobs
         return Delta(self.token_ids + later.token_ids, later.finished, later.finish_reason, later.nfe,
-                     later.num_generated, lps)
+                     later.num_generated, lps, later.cached_tokens)
 
 
 @dataclass
@@ -151,7 +153,7 @@ class EngineHost:
                 s = self._streams.pop(o.request_id, None) if o.finished else self._streams.get(o.request_id)
             if s is not None:
                 s.send(Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated,
-                             o.new_logprobs))
+                             o.new_logprobs, o.cached_tokens))
 
     def _fail(self, rid: str, e: BaseException) -> None:
         with self._lock:
@@ -177,7 +179,7 @@ class EngineHost:
             if done:
                 raise EngineDead(f"tensor-parallel rank exited: {ray.get(done[0])!r}")
 
-    def validate(self, prompt_ids: list[int], params: DecodeConfig) -> None:
+    def validate(self, prompt_ids: list[int], params: DecodeConfig, constraint: ConstraintSpec | None = None) -> None:
         """Last line of defence (the ingress checks first): the engine's one request check, plus this
         deployment's bounds on max_length and max_nfe, so nothing that could crash the engine gets in."""
         if not isinstance(params, DecodeConfig):
@@ -186,7 +188,7 @@ class EngineHost:
             raise ValueError("max_length and max_nfe cannot exceed the replica's configuration")
         if self._lockstep is None:
             raise EngineDead("engine loop has not started")
-        self._lockstep.engine.check_request(prompt_ids, params)
+        self._lockstep.engine.check_request(prompt_ids, params, constraint)
 
     def stats(self) -> dict[str, float]:
         """A snapshot for operators and tests: open streams, aborted requests, and `engine_stats`."""
@@ -195,14 +197,15 @@ class EngineHost:
             return {"streams": len(self._streams), "aborted": self.num_aborted}
         return {"streams": len(self._streams), "aborted": self.num_aborted} | engine_stats(lock.engine, len(lock.live))
 
-    async def generate(self, prompt_ids: list[int], params: DecodeConfig) -> AsyncIterator[Delta]:
+    async def generate(self, prompt_ids: list[int], params: DecodeConfig, constraint: ConstraintSpec | None = None
+                       ) -> AsyncIterator[Delta]:
         """Yield merged deltas until the request finishes; leaving early (client gone) aborts it in the engine."""
         rid = uuid.uuid4().hex
         s = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:  # registered under the lock that _fail_all takes: no request can slip past a dying loop
             self.check()
             self._streams[rid] = s
-        self._inbox.put(("add", rid, list(prompt_ids), params))
+        self._inbox.put(("add", rid, list(prompt_ids), params, constraint))
         finished = False
         try:
             while not finished:

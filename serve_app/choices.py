@@ -14,7 +14,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from actors.decoder import Delta
 from mbd.detokenize import TextStream
-from serve_app.protocol import MBDStats, Usage
+from serve_app.protocol import MBDStats, PromptTokensDetails, Usage
 
 Sync = Callable[..., Awaitable]  # runs a function off the event loop and awaits its result
 
@@ -120,11 +120,15 @@ async def merge(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
 
 
 def usage(prompts: list[list[int]], choices: list[Choice], so_far: bool = False) -> Usage:
-    """Prompt tokens once per prompt; completion tokens: those returned (cut at a stop string), or with
-    so_far those sent in the stream up to now."""
+    """Prompt tokens once per prompt (cached ones: the most any of its choices found in the prefix cache);
+    completion tokens: those returned (cut at a stop string), or with so_far those sent in the stream up to now."""
     n_prompt = sum(len(p) for p in prompts)
     n = sum(c.sent if so_far else c.text.returned_tokens for c in choices)
-    return Usage(prompt_tokens=n_prompt, completion_tokens=n, total_tokens=n_prompt + n)
+    per = max(1, len(choices) // max(1, len(prompts)))  # choice i answers prompt i // n
+    cached = sum(max((c.last.cached_tokens for c in choices[i * per:(i + 1) * per]), default=0)
+                 for i in range(len(prompts)))
+    return Usage(prompt_tokens=n_prompt, completion_tokens=n, total_tokens=n_prompt + n,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def mbd_stats(choices: list[Choice], buffer_size: int) -> MBDStats:

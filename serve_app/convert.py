@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from mbd.config import DecodeConfig, ModelConfig
+from mbd.decoding.constraints import ConstraintError, ConstraintSpec, GrammarVocab
 from mbd.tokenizer import Tokenizer, TokenizerError
 from serve_app.config import ServeConfig
 from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, field_path
@@ -24,6 +25,7 @@ class RequestConverter:
         self.cfg, self.model_cfg, self.tok = cfg, model_cfg, tok
         self.name = cfg.model.name
         self.max_len = min(cfg.decode.max_length, model_cfg.max_position_embeddings)
+        self._grammar: GrammarVocab | None = None
 
     def check_model(self, req: SamplingFields) -> None:
         if req.model != self.name:
@@ -101,6 +103,45 @@ class RequestConverter:
         if len(ids) >= self.max_len:
             raise APIError(400, f"'{field}' is {len(ids)} tokens; this model's context is {self.max_len} tokens, "
                                 f"so at most {self.max_len - 1} prompt tokens fit", field, code="context_length_exceeded")
+
+    # ---- structured output (runs in the tokenizer pool: compiling a schema takes milliseconds) ----
+
+    def constraint(self, req: SamplingFields) -> ConstraintSpec | None:
+        """The request's one structured-output constraint, compiled against this model's vocabulary here so
+        that what cannot be honoured is a 400 naming the field (and the schema feature) before decoding."""
+        specs = self._constraints(req)
+        if len(specs) > 1:
+            raise APIError(400, f"{specs[0].field} and {specs[1].field} both constrain the output: send one",
+                           specs[1].field)
+        if not specs:
+            return None
+        if self._grammar is None:
+            self._grammar = GrammarVocab(self.tok.tok, self.model_cfg.vocab_size, self.tok.stop_token_ids)
+        try:
+            self._grammar.compile(specs[0])
+        except ConstraintError as e:
+            raise APIError(400, str(e), e.field) from e
+        return specs[0]
+
+    @staticmethod
+    def _constraints(req: SamplingFields) -> list[ConstraintSpec]:
+        rf, so = req.response_format, req.structured_outputs
+        shapes = [(f"structured_outputs.{k}", k, getattr(so, "json_" if k == "json" else k) if so else None)
+                  for k in ("json", "regex", "choice", "grammar")]
+        shapes += [(f"guided_{k}", k, getattr(req, f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")]
+        try:
+            out = [ConstraintSpec.json_schema(value, field) if kind == "json" else ConstraintSpec.choice(value, field)
+                   if kind == "choice" else ConstraintSpec(kind, value, field)
+                   for field, kind, value in shapes if value is not None]
+            if rf is not None and rf.type == "json_object":
+                out.append(ConstraintSpec("json_object", field="response_format"))
+            elif rf is not None and rf.type == "json_schema":
+                if rf.json_schema is None:
+                    raise ConstraintError("response_format.json_schema", "is required when type is json_schema")
+                out.append(ConstraintSpec.json_schema(rf.json_schema.schema_))
+        except ConstraintError as e:
+            raise APIError(400, str(e), e.field) from e
+        return out
 
     # ---- decoding parameters ----
 

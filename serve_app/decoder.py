@@ -11,6 +11,7 @@ from ray import serve
 from actors.decoder import Delta, EngineHost
 from actors.tp_worker import ModelSpec
 from mbd.config import DecodeConfig
+from mbd.decoding.constraints import ConstraintSpec
 from serve_app.metrics import DecoderMetrics
 
 
@@ -23,11 +24,11 @@ class Decoder:
         self.metrics = DecoderMetrics()
         self.host = EngineHost(spec, decode, on_step=self.metrics.update)
 
-    async def generate(self, prompt_ids: list[int], params: DecodeConfig, per_block: bool = True
-                       ) -> AsyncIterator[Delta]:
-        self.host.validate(prompt_ids, params)
+    async def generate(self, prompt_ids: list[int], params: DecodeConfig, per_block: bool = True,
+                       constraint: ConstraintSpec | None = None) -> AsyncIterator[Delta]:
+        self.host.validate(prompt_ids, params, constraint)
         merged = Delta()
-        async for d in self.host.generate(prompt_ids, params):
+        async for d in self.host.generate(prompt_ids, params, constraint):
             if per_block:
                 yield d
             else:

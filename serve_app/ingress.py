@@ -162,10 +162,11 @@ class OpenAIIngress:
         first block of each: it decides the HTTP status (200, 400 or 503)."""
         self.convert.check_choices(req, len(prompts))
         params = self.convert.params(req, max(len(p) for p in prompts))
+        constraint = await self._sync(self.convert.constraint, req)
         # blocks one by one only when someone looks at them: an SSE client, or stop strings that may end early
         per_block = req.stream or bool(req.stop_list())
-        gens = [self.decoder.generate.remote(ids, params.model_copy(update={"seed": params.seed + k}), per_block)
-                for ids in prompts for k in range(req.n)]
+        gens = [self.decoder.generate.remote(ids, params.model_copy(update={"seed": params.seed + k}), per_block,
+                                             constraint) for ids in prompts for k in range(req.n)]
         firsts = await asyncio.gather(*(_first(g) for g in gens), return_exceptions=True)
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failed is not None:

@@ -47,6 +47,31 @@ class StreamOptions(StrictRequest):
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
 
 
+class JSONSchemaFormat(StrictRequest):
+    """OpenAI's `response_format.json_schema`; the schema is enforced exactly whether `strict` is set or not."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(StrictRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(StrictRequest):
+    """vLLM's `structured_outputs` (its older top-level `guided_*` fields are accepted too): one of them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingFields(StrictRequest):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -72,6 +97,13 @@ class SamplingFields(StrictRequest):
     tau_m2t: float | None = Unit
     tau_t2t: float | None = Unit
     return_token_ids: bool = False
+    # structured output (docs/structured-output.md): OpenAI's response_format, vLLM's shapes
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -127,10 +159,15 @@ class ChatCompletionRequest(SamplingFields):
 # ---- responses (plain models; built by the server, never parsed from clients) ----
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache (their prefill was skipped)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class MBDStats(BaseModel):

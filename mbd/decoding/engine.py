@@ -60,6 +60,7 @@ class StepOutput:
     nfe: int
     num_generated: int
     new_logprobs: list[float] | None = None  # with params.logprobs: the log-probability of each new token
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
 
 
 class GenerationResult(BaseModel):
@@ -180,10 +181,13 @@ class Engine:
         ConstraintError (a ValueError) when it cannot be honoured exactly."""
         return self._add(prompt_ids, params, request_id, constraint).id
 
-    def check_request(self, prompt_ids: Sequence[int], params: Params = None) -> tuple[list[int], RequestParams]:
+    def check_request(self, prompt_ids: Sequence[int], params: Params = None, constraint: ConstraintSpec | None = None
+                      ) -> tuple[list[int], RequestParams]:
         """The one request check (the CLI, the eval sweeps and every served replica go through it): prompt ids
-        are ints in [0, vocab_size) other than the mask token, the prompt leaves room to generate, and the
-        parameters fit this engine. Raises ValueError naming what is wrong."""
+        are ints in [0, vocab_size) other than the mask token, the prompt leaves room to generate, the
+        parameters fit this engine, and a constraint compiles. Raises ValueError naming what is wrong."""
+        if constraint is not None:
+            self.guide().vocab.compile(constraint)
         ids = list(prompt_ids)
         if not ids:
             raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
@@ -256,6 +260,8 @@ class Engine:
         if hit is None:
             return False
         req.cache_len = hit
+        if req.cached_tokens is None:  # readmissions after a preemption re-find their own pages: not the prompt's
+            req.cached_tokens = min(hit, req.prompt_len)
         self.runner.cache.lengths[row] = hit
         self._host_rows[row][-1] = hit
         self.stats.prefix_query_tokens += req.aligned_len
@@ -437,7 +443,7 @@ class Engine:
                 req.n_res = req.n_tc = 0
             else:
                 outs.append(StepOutput(req.id, new, False, None, req.nfe, req.num_generated,
-                                       self._logprobs(req, new)))
+                                       self._logprobs(req, new), req.cached_tokens or 0))
             host_row = buf.slot_states(req.n_tc, req.n_res, self.n_buf) + [0 if req.finished else req.cache_len]
             old = self._host_rows[row]
             if host_row != old:
@@ -494,7 +500,8 @@ class Engine:
         req.finish_reason = reason
         req.t_finished = time.perf_counter()
         self.sched.finish(req)
-        return StepOutput(req.id, new, True, reason, req.nfe, req.num_generated, self._logprobs(req, new))
+        return StepOutput(req.id, new, True, reason, req.nfe, req.num_generated, self._logprobs(req, new),
+                          req.cached_tokens or 0)
 
     @staticmethod
     def _logprobs(req: Request, new: list[int]) -> list[float] | None:

@@ -153,6 +153,7 @@ class Request:
     logprobs: dict[int, float] | None = None  # absolute position -> log-probability of its current token
     grammar: Matcher | None = None  # structured output: the matcher of what may be committed (kept on preemption)
     frontier: int = 0  # with a grammar: the first absolute position its matcher has not accepted
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
 
     def __post_init__(self) -> None:
         self.known, self.aligned_len = list(self.prompt_ids), len(self.prompt_ids) // self.block * self.block
