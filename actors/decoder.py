@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.tp_worker import Lockstep, ModelSpec, Op, TPWorker, free_port, init_tp
+from actors.trace import mark
 from mbd.config import DecodeConfig
 from mbd.decoding.constraints import ConstraintSpec
 from mbd.decoding.engine import Engine, StepOutput
@@ -56,15 +57,32 @@ class Delta:
 
 @dataclass
 class _Stream:
+    """One request's way back to its handler. With per_block=False the engine thread merges its blocks and
+    hands over only the finished whole, so a non-streaming request costs its event loop one wake-up."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    per_block: bool = True
+    held: Delta | None = None  # merged blocks not yet handed over (per_block=False)
+    committed: int = 0  # tokens committed so far
 
-    def send(self, item: "Delta | BaseException") -> None:
-        """Called from the engine thread; a closed event loop (replica shutting down) just drops the item."""
+
+def _hand_over(items: list[tuple[_Stream, "Delta | BaseException"]]) -> None:
+    """Deliver a step's items to their handlers with one thread-safe call per event loop (each call wakes the
+    loop and takes the GIL from the engine thread); a closed loop (replica shutting down) drops them."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for s, item in items:
+        by_loop.setdefault(s.loop, []).append((s.queue, item))
+    for loop, batch in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            loop.call_soon_threadsafe(_put_all, batch)
         except RuntimeError:
             pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, "Delta | BaseException"]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 def engine_stats(engine: Engine, in_engine: int) -> dict[str, float]:
@@ -120,12 +138,23 @@ class EngineHost:
                 self._ready.set()
                 reported = 0.0
                 while True:
-                    ops = lock.exchange(self._drain(block=not lock.engine.has_unfinished()))
-                    for rid, reason in lock.apply(ops):
+                    idle = not lock.engine.has_unfinished()
+                    t = time.perf_counter()
+                    ops = lock.exchange(self._drain(block=idle))
+                    if idle:
+                        mark("-", "idle", time.perf_counter() - t)
+                    refused = dict(lock.apply(ops))
+                    for rid, reason in refused.items():
                         self._fail(rid, ValueError(f"request refused by the engine: {reason}"))
+                    for op in ops:
+                        if op[0] == "add" and op[1] not in refused:
+                            mark(op[1], "admit")
                     if lock.stopped:
                         break
-                    self._publish(lock.step())
+                    t = time.perf_counter()
+                    outs = lock.step()
+                    mark("-", "step", time.perf_counter() - t)
+                    self._publish(outs)
                     if self._on_step is not None and time.monotonic() - reported >= ON_STEP_S:
                         reported = time.monotonic()
                         self._on_step(engine_stats(lock.engine, len(lock.live)))
@@ -146,27 +175,37 @@ class EngineHost:
             return ops
 
     def _publish(self, outs: Sequence[StepOutput]) -> None:
+        items = []
         for o in outs:
             if not (o.new_token_ids or o.finished):
                 continue
             with self._lock:
                 s = self._streams.pop(o.request_id, None) if o.finished else self._streams.get(o.request_id)
-            if s is not None:
-                s.send(Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated,
-                             o.new_logprobs, o.cached_tokens))
+            if s is None:
+                continue
+            s.committed += len(o.new_token_ids)
+            mark(o.request_id, "commit", s.committed)
+            d = Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated, o.new_logprobs,
+                      o.cached_tokens)
+            if not s.per_block:
+                d = s.held.merge(d) if s.held is not None else d
+                if not o.finished:
+                    s.held = d
+                    continue
+            items.append((s, d))
+        _hand_over(items)
 
     def _fail(self, rid: str, e: BaseException) -> None:
         with self._lock:
             s = self._streams.pop(rid, None)
         if s is not None:
-            s.send(e)
+            _hand_over([(s, e)])
 
     def _fail_all(self, e: BaseException) -> None:
         with self._lock:
             self._error = e
             streams, self._streams = list(self._streams.values()), {}
-        for s in streams:
-            s.send(EngineDead(f"engine loop failed: {e!r}"))
+        _hand_over([(s, EngineDead(f"engine loop failed: {e!r}")) for s in streams])
 
     # ---- event-loop side ----
 
@@ -197,13 +236,17 @@ class EngineHost:
             return {"streams": len(self._streams), "aborted": self.num_aborted}
         return {"streams": len(self._streams), "aborted": self.num_aborted} | engine_stats(lock.engine, len(lock.live))
 
-    async def generate(self, prompt_ids: list[int], params: DecodeConfig, constraint: ConstraintSpec | None = None
-                       ) -> AsyncIterator[Delta]:
-        """Yield merged deltas until the request finishes; leaving early (client gone) aborts it in the engine."""
-        rid = uuid.uuid4().hex
-        s = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+    async def generate(self, prompt_ids: list[int], params: DecodeConfig, rid: str | None = None,
+                       per_block: bool = True, constraint: ConstraintSpec | None = None) -> AsyncIterator[Delta]:
+        """Yield the blocks committed since the last yield, merged, until the request finishes (per_block=False:
+        one Delta, the whole generation); leaving early (client gone) aborts it in the engine.
+        rid: the request's id in the engine (unique among its live requests; default a fresh uuid)."""
+        rid = rid or uuid.uuid4().hex
+        s = _Stream(asyncio.get_running_loop(), asyncio.Queue(), per_block)
         with self._lock:  # registered under the lock that _fail_all takes: no request can slip past a dying loop
             self.check()
+            if rid in self._streams:
+                raise ValueError(f"request id {rid} is already live")
             self._streams[rid] = s
         self._inbox.put(("add", rid, list(prompt_ids), params, constraint))
         finished = False

@@ -1,4 +1,5 @@
 """Decoder actor of an evaluation sweep: one per GPU (or a CPU share), holding the current model and engine.
+It runs in a bundle of the sweep's placement group (pipelines/sweep_pool.py) and says which node decoded.
 
 Thin on purpose: planning, decoding and scoring live in mbd.eval.sweep; the actor only keeps an EngineCache
 alive between calls so consecutive units of the same (model, config) reuse the loaded weights and engine.
@@ -24,4 +25,5 @@ class EvalWorker:
 
     def decode(self, model: ModelEntry, params: DecodeConfig, prompts: list[list[Message]],
                keep_trace: list[bool]) -> DecodedUnit:
-        return decode_prompts(self.engines.get(model, params), prompts, params, keep_trace)
+        unit = decode_prompts(self.engines.get(model, params), prompts, params, keep_trace)
+        return unit.model_copy(update={"node": ray.get_runtime_context().get_node_id()})

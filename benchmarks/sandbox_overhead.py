@@ -16,8 +16,9 @@ import time
 import warnings
 from typing import Callable
 
-from mbd.eval import code_exec
-from mbd.eval.code_exec import isolation_available, run_program
+from mbd.eval import isolation
+from mbd.eval.code_exec import run_program
+from mbd.eval.isolation import isolation_available
 
 PROGRAM = "def f(xs):\n    return sorted(xs)[::-1]\nassert f([3, 1, 2]) == [3, 2, 1]\n"
 
@@ -32,17 +33,17 @@ def _isolated() -> None:
 
 def _hook_only() -> None:
     """The same harness with kernel isolation switched off, as `--unsafe-code-exec` runs where bwrap is absent."""
-    saved, env = code_exec.bwrap_command, os.environ.get(code_exec.UNSAFE_ENV)
-    code_exec.bwrap_command = lambda limits: None
-    os.environ[code_exec.UNSAFE_ENV] = "1"
+    saved, env = isolation.bwrap_command, os.environ.get(isolation.UNSAFE_ENV)
+    isolation.bwrap_command = lambda tmpfs_bytes: None
+    os.environ[isolation.UNSAFE_ENV] = "1"
     try:
         assert run_program(PROGRAM).status == "passed"
     finally:
-        code_exec.bwrap_command = saved
+        isolation.bwrap_command = saved
         if env is None:
-            os.environ.pop(code_exec.UNSAFE_ENV)
+            os.environ.pop(isolation.UNSAFE_ENV)
         else:
-            os.environ[code_exec.UNSAFE_ENV] = env
+            os.environ[isolation.UNSAFE_ENV] = env
 
 
 def main() -> None:

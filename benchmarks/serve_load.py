@@ -1,5 +1,5 @@
-"""Serving load test on the tiny model: throughput and p50/p99 latency at 1, 8 and 32 concurrent clients over
-HTTP (Ray Serve, configs/serve/tiny.yaml), and the same workload on the engine called directly in this process.
+"""Serving load test: throughput and p50/p99 latency at 1, 8, 32 and 64 concurrent clients over HTTP (Ray Serve,
+configs/serve/tiny.yaml), and the same workload on the engine called directly in this process.
 
 Each client is closed-loop (sends its next request when the previous one returns). The direct run keeps the
 same number of requests in flight through `add_request`/`step`, so HTTP/direct ratios measured in one run are
@@ -8,7 +8,10 @@ the engine thread hand-off). Direct and HTTP rounds alternate and the best round
 machine is shared; on an oversubscribed machine the multi-process HTTP path gets more CPU shares than the
 single direct process, so read the ratios together with the machine load.
 
+The machine's 1-minute load average is printed beside each level (this machine may be shared).
+
     python -m benchmarks.serve_load                          # the embedded model (mbd/assets/tiny)
+    python -m benchmarks.serve_load --size 60m               # a random ~60M SDAR: a step costs what a real one does
     python -m benchmarks.serve_load --model DIR --max-tokens 48
 """
 
@@ -17,7 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,9 +30,12 @@ import httpx
 import torch
 
 from actors.tp_worker import free_port
+from benchmarks.hf_baseline import SIZES, TEMPER
+from mbd.config import ModelConfig
 from mbd.decoding import Engine
-from mbd.model import load_checkpoint
+from mbd.model import build_model, load_checkpoint, save_checkpoint
 from mbd.tiny.task import generate as tiny_problems
+from mbd.tiny.vocab import save_tokenizer, special_token_ids, vocab
 from mbd.tokenizer import Tokenizer
 from serve_app.config import ServeConfig, load_serve_config
 
@@ -42,6 +50,24 @@ def percentile(xs: list[float], q: float) -> float:
 def summary(lat_s: list[float], tokens: int, wall_s: float) -> dict:
     return {"requests": len(lat_s), "req_per_s": len(lat_s) / wall_s, "tok_per_s": tokens / wall_s,
             "p50_ms": 1e3 * statistics.median(lat_s), "p99_ms": 1e3 * percentile(lat_s, 0.99)}
+
+
+def random_model(size: str, d: Path) -> Path:
+    """A random SDAR of hf_baseline's `size` that speaks the tiny chat tokenizer: head rows outside the tokenizer's
+    vocabulary, and those of EOS, end-of-turn and mask, are zero while the rest are tempered up, so a request
+    always generates its whole max_tokens of printable characters (comparable runs, real detokenization)."""
+    ids, n_chars = special_token_ids(), len(vocab())
+    cfg = ModelConfig(family="sdar", mask_token_id=ids["mask_token_id"], eos_token_id=ids["eos_token_id"],
+                      pad_token_id=ids["pad_token_id"], block_size=4, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                      **SIZES[size] | {"vocab_size": max(SIZES[size]["vocab_size"], n_chars)})
+    model = build_model(cfg, seed=0).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(TEMPER)
+        model.lm_head.weight[n_chars:] = 0
+        model.lm_head.weight[[ids["eos_token_id"], ids["im_end_id"], ids["mask_token_id"]]] = 0
+    save_checkpoint(model, cfg, d)
+    save_tokenizer(d)
+    return d
 
 
 def run_direct(engine: Engine, prompts: list[list[int]], conc: int, max_tokens: int) -> dict:
@@ -119,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(REPO / "configs" / "serve" / "tiny.yaml"))
     p.add_argument("--model", help="model directory (default: the config's model.path)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--size", choices=sorted(SIZES), help="serve a random SDAR of this size instead of the model")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--per-client", type=int, default=4, help="requests per client (at least 16 per level)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
@@ -128,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     cfg: ServeConfig = load_serve_config(args.config)
+    if args.size:
+        args.model = str(random_model(args.size, Path(tempfile.mkdtemp(prefix=f"sdar_{args.size}_"))))
     if args.model:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": args.model})})
     path = cfg.model.resolved_path()
@@ -147,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from serve_app.app import build_app
 
-    ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     port = free_port()
     results: dict[int, dict] = {}
     try:
@@ -159,28 +188,28 @@ def main(argv: list[str] | None = None) -> int:
         for c in args.concurrency:
             n = max(16, c * args.per_client)
             runs: dict[str, list[dict]] = {"direct": [], "http": []}
+            load = os.getloadavg()[0]
             for _ in range(args.rounds):  # alternate, so both paths see the same background load
                 runs["direct"].append(run_direct(engine, ids[:n], c, args.max_tokens))
                 runs["http"].append(asyncio.run(run_http(url, cfg.model.name, messages[:n], c, args.max_tokens)))
             results[c] = {k: max(v, key=lambda s: s["req_per_s"]) for k, v in runs.items()}
+            results[c]["load"] = (load + os.getloadavg()[0]) / 2
     finally:
         serve.shutdown()
         ray.shutdown()
 
-    print(f"model {path.name}, buffer_size {cfg.decode.buffer_size}, max_batch_slots {cfg.model.max_batch_slots}, "
-          f"max_tokens {args.max_tokens}, torch threads 1, Ray CPUs {args.cpus}")
-    print(f"{'clients':>7} {'path':>6} {'req':>4} {'req/s':>7} {'tok/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"model {args.size or path.name}, buffer_size {cfg.decode.buffer_size}, max_batch_slots "
+          f"{cfg.model.max_batch_slots}, max_tokens {args.max_tokens}, torch threads 1, Ray CPUs {args.cpus}, "
+          f"best of {args.rounds} alternating rounds; load = 1-min load average during the level "
+          f"({os.cpu_count()} CPUs)")
+    print("| clients | direct req/s | HTTP req/s | HTTP / direct | p50 direct | p50 HTTP | p50 added | load |")
+    print("|---|---|---|---|---|---|---|---|")
     for c, r in results.items():
-        for kind in ("direct", "http"):
-            s = r[kind]
-            print(f"{c:>7} {kind:>6} {s['requests']:>4} {s['req_per_s']:>7.2f} {s['tok_per_s']:>8.1f} "
-                  f"{s['p50_ms']:>8.1f} {s['p99_ms']:>8.1f}")
-        r["http_over_direct"] = {"p50_latency": r["http"]["p50_ms"] / r["direct"]["p50_ms"],
-                                 "p50_added_ms": r["http"]["p50_ms"] - r["direct"]["p50_ms"],
-                                 "throughput": r["http"]["req_per_s"] / r["direct"]["req_per_s"]}
-        o = r["http_over_direct"]
-        print(f"{'':>7} http/direct: p50 latency x{o['p50_latency']:.2f} (+{o['p50_added_ms']:.1f} ms), "
-              f"throughput x{o['throughput']:.2f}")
+        d, h = r["direct"], r["http"]
+        r["http_over_direct"] = {"p50_latency": h["p50_ms"] / d["p50_ms"], "p50_added_ms": h["p50_ms"] - d["p50_ms"],
+                                 "throughput": h["req_per_s"] / d["req_per_s"]}
+        print(f"| {c} | {d['req_per_s']:.1f} | {h['req_per_s']:.1f} | {r['http_over_direct']['throughput']:.2f} | "
+              f"{d['p50_ms']:.0f} ms | {h['p50_ms']:.0f} ms | {h['p50_ms'] - d['p50_ms']:+.0f} ms | {r['load']:.1f} |")
     print(json.dumps({str(c): r for c, r in results.items()}))
     return 0
 

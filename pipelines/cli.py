@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pipelines.generate", "decode prompts with SingleBD / MultiBD (Block Buffer engine)"),
     "serve": ("serve_app.run", "start the OpenAI-compatible Ray Serve application"),
     "eval": ("pipelines.eval_sweep", "evaluation sweep: models x decoding configs x benchmarks"),
+    "plan": ("pipelines.plan", "per-rank memory plan of a serve or train config (weights, KV pool, ZeRO states)"),
     "forward": ("pipelines.forward", "one forward pass of a model directory (smoke test)"),
 }
 

@@ -4,10 +4,13 @@
     mbd eval --sweep configs/eval/paper_main.yaml --limit 50 --output-dir /tmp/quick
     mbd eval --sweep configs/eval/tiny_sweep.yaml --report-only
 
-The driver plans (model, config, benchmark) units of problems not yet stored (mbd.eval.sweep), hands them to
-decoder actors (actors/eval_worker.py: one per GPU, or a CPU share each), and sends every decoded completion
-to a pool of Ray scoring tasks, so sandboxed code execution never blocks decoding. Each scored problem is
-appended to the results store at once: rerunning an interrupted sweep decodes only what is missing. At the
+The driver plans (model, config, benchmark) units of problems not yet stored (mbd.eval.sweep), reserves one
+placement group for its decoder actors (actors/eval_worker.py: one per GPU, or a CPU share each) and its
+scoring slots, spread over the cluster's nodes (pipelines/sweep_pool.py: a cluster that can never hold it is
+refused at once, naming the shortfall), and sends every decoded completion to a scoring task in a slot, so
+sandboxed code execution never blocks decoding. A node lost mid-sweep costs only the work in flight, redone on
+the nodes left. Each scored problem is appended to the results store at once: rerunning an interrupted sweep
+decodes only what is missing. At the
 end the report (tab:main_results / tab:tps_comparison tables), records.parquet and the plots are written and
 the main table is printed. Connects to the cluster in RAY_ADDRESS (as under `ray job submit`), else starts a
 local Ray. Benchmarks must be registered in every process (the built-ins and tinymath are).
@@ -24,30 +27,30 @@ from pathlib import Path
 import ray
 from tqdm import tqdm
 
-from actors.eval_worker import EvalWorker
 from mbd.config import ConfigError, apply_sets, read_yaml, resolve_path, validate
 from mbd.eval.benchmarks import Problem, ScoreResult, get_benchmark
-from mbd.eval.code_exec import UNSAFE_ENV, IsolationUnavailable, require_isolation
+from mbd.eval.isolation import UNSAFE_ENV, IsolationUnavailable, require_isolation
 from mbd.eval.report import SweepSummary, write_sweep_report
-from mbd.eval.sweep import (PrefixCacheRecord, ResultStore, SweepConfig, WorkQueue, check_models, load_problems,
-                            load_splits, make_record, plan_units, score_completion)
-from pipelines.ray_session import ray_session
+from mbd.eval.sweep import (Cell, Decoded, DecodedUnit, PrefixCacheRecord, ResultStore, SweepConfig, Unit, WorkQueue,
+                            check_models, load_problems, load_splits, make_record, plan_units, score_completion)
+from pipelines.ray_session import init_ray, ray_session
+from pipelines.sweep_pool import DecoderPool
+
+__all__ = ["run_sweep", "main"]  # what other pipelines may use
 
 UNITS_IN_FLIGHT = 2  # per worker: the next unit is queued at the actor while the driver handles the last one
+POLL_S = 5.0  # the dispatch loop checks this often that its reservation is whole while it waits for results
+MAX_LOSSES = 3  # lost workers (nodes) a sweep survives; the next loss fails it
+# what losing a node (or a worker process) looks like to the driver; any other error fails the sweep
+LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
+        ray.exceptions.ObjectLostError, ray.exceptions.TaskUnschedulableError,
+        ray.exceptions.ActorUnschedulableError, ray.exceptions.TaskPlacementGroupRemoved,
+        ray.exceptions.ActorPlacementGroupRemoved)
 
 
 @ray.remote
 def _score(benchmark: str, problem: Problem, completion: str) -> ScoreResult:
     return score_completion(benchmark, problem, completion)
-
-
-def _workers(cfg: SweepConfig) -> tuple[str, int, float]:
-    """(device, number of decoder actors, GPUs per actor) for the connected cluster."""
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    device = cfg.device if cfg.device != "auto" else ("cuda" if gpus else "cpu")
-    if device == "cuda" and gpus == 0:
-        raise ConfigError("device: cuda but the Ray cluster has no GPU; use device: cpu (or auto)")
-    return device, cfg.workers or (gpus if device == "cuda" else 1), 1.0 if device == "cuda" else 0.0
 
 
 def _scorer_env() -> dict:
@@ -62,18 +65,14 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> SweepSummary:
     problems = {label: s.scored for label, s in splits.items()}
     store = ResultStore(cfg.output_dir)
     units, skipped = plan_units(cfg, problems, store, {label: s.exemplars for label, s in splits.items()})
-    queue = WorkQueue(units)
     decoded = 0
     if any(get_benchmark(u.cell.bench.name).kind == "code" for u in units):
         require_isolation()  # refuse before decoding anything, not in a scorer hours later
     if units:
         check_models({u.cell.model.name: u.cell.model for u in units}.values())
         if not ray.is_initialized():
-            ray.init()
-        device, n, gpus = _workers(cfg)
-        threads = max(1, int(cfg.cpus_per_worker)) if device == "cpu" else None
-        workers = [EvalWorker.options(num_cpus=cfg.cpus_per_worker, num_gpus=gpus)
-                   .remote(device, cfg.batch_size, cfg.trace_problems > 0, threads) for _ in range(min(n, len(units)))]
+            init_ray()
+        pool = DecoderPool(cfg, len(units), cfg.reserve_timeout_s)
         rows = len(cfg.pairs())
         bars = {}
         for pos, b in enumerate(problems):
@@ -81,62 +80,105 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> SweepSummary:
             bars[b] = tqdm(total=rows * len(problems[b]), initial=rows * len(problems[b]) - todo, desc=b,
                            position=pos, disable=not progress, file=sys.stderr)
         try:
-            decoded = _drive(cfg, queue, workers, store, bars)
+            decoded = _Dispatch(cfg, WorkQueue(units), pool, store, bars).run()
         finally:
-            for w in workers:
-                ray.kill(w)
+            pool.close()
             for bar in bars.values():
                 bar.close()
     return write_sweep_report(cfg, problems, decoded, skipped, time.perf_counter() - t0)
 
 
-def _drive(cfg: SweepConfig, queue: WorkQueue, workers: list, store: ResultStore, bars: dict[str, tqdm]) -> int:
-    """The dispatch loop: keep every worker fed, score each decoded problem in the pool, store each verdict."""
-    inflight: dict[ray.ObjectRef, tuple] = {}
-    busy = [0] * len(workers)
-    holds: list[tuple | None] = [None] * len(workers)  # the engine key each worker holds
-    problem_refs: dict[tuple[str, str], ray.ObjectRef] = {}
-    decoded = 0
+class _Dispatch:
+    """The dispatch loop: keep every decoder fed, score each decoded problem in a scoring slot, store each verdict.
 
-    def feed(w: int) -> None:
-        while busy[w] < UNITS_IN_FLIGHT and (unit := queue.pop(holds[w])) is not None:
-            holds[w] = unit.key
-            busy[w] += 1
-            ref = workers[w].decode.remote(unit.cell.model, unit.params, unit.prompts(), unit.keep_trace)
-            inflight[ref] = ("decode", w, unit)
+    A lost decoder or scoring task (its node died) never stalls the loop: every unit and score in flight goes
+    back to be redone, the pool reserves again on the nodes left, and the loop carries on. Nothing is stored
+    twice: a unit's records are written only when its scores come back, and a unit whose decoding came back
+    before the loss is only scored again, not decoded again."""
 
-    def problem_ref(p: Problem) -> ray.ObjectRef:
-        key = (p.benchmark, p.problem_id)
-        if key not in problem_refs:  # one copy in the object store, shared by every config's scoring tasks
-            problem_refs[key] = ray.put(p)
-        return problem_refs[key]
+    def __init__(self, cfg: SweepConfig, queue: WorkQueue, pool: DecoderPool, store: ResultStore,
+                 bars: dict[str, tqdm]):
+        self.cfg, self.queue, self.pool, self.store, self.bars = cfg, queue, pool, store, bars
+        self.inflight: dict[ray.ObjectRef, tuple] = {}
+        self.problem_refs: dict[tuple[str, str], ray.ObjectRef] = {}
+        self.decoded = self.losses = 0
+        self._reset_workers()
 
-    for w in range(len(workers)):
-        feed(w)
-    while inflight:
-        (ref,), _ = ray.wait(list(inflight), num_returns=1)
-        what = inflight.pop(ref)
-        if what[0] == "decode":
-            _, w, unit = what
-            busy[w] -= 1
-            feed(w)
-            cell, out = unit.cell, ray.get(ref)
-            store.append_prefix_cache(cell.model.name, cell.decode.name, cell.benchmark, PrefixCacheRecord(
-                problem_ids=[p.problem_id for p in unit.problems], query_tokens=out.prefix_query_tokens,
-                hit_tokens=out.prefix_hit_tokens))
-            for problem, d in zip(unit.problems, out.decoded):
-                if d.trace is not None:
-                    store.append_trace(cell.model.name, cell.decode.name, cell.benchmark, problem.problem_id, d.trace)
-                score = _score.options(num_cpus=cfg.cpus_per_scorer, runtime_env=_scorer_env()).remote(
-                    cell.bench.name, problem_ref(problem), d.completion)
-                inflight[score] = ("score", cell, problem, d)
-                decoded += 1
-        else:
-            _, cell, problem, d = what
-            store.append(make_record(cell.model.name, cell.decode.name, cell.benchmark, problem,
-                                     d.model_copy(update={"trace": None}), ray.get(ref)))
-            bars[cell.benchmark].update(1)
-    return decoded
+    def _reset_workers(self) -> None:
+        self.busy = [0] * len(self.pool.workers)
+        self.holds: list[tuple | None] = [None] * len(self.pool.workers)  # the engine key each worker holds
+
+    def run(self) -> int:
+        for w in range(len(self.pool.workers)):
+            self.feed(w)
+        while self.inflight:
+            ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=POLL_S)
+            if not ready:
+                if self.pool.broken():
+                    self.recover(RuntimeError("a bundle of the sweep's placement group lost its node"))
+                continue
+            what = self.inflight.pop(ready[0])
+            try:
+                value = ray.get(ready[0])
+            except LOST as e:
+                self.inflight[ready[0]] = what
+                self.recover(e)
+                continue
+            if what[0] == "decode":
+                self.decoded_unit(what[1], what[2], value)
+            else:
+                _, cell, problem, d = what
+                self.store.append(make_record(cell.model.name, cell.decode.name, cell.benchmark, problem,
+                                              d.model_copy(update={"trace": None}), value))
+                self.bars[cell.benchmark].update(1)
+        return self.decoded
+
+    def feed(self, w: int) -> None:
+        while self.busy[w] < UNITS_IN_FLIGHT and (unit := self.queue.pop(self.holds[w])) is not None:
+            self.holds[w] = unit.key
+            self.busy[w] += 1
+            ref = self.pool.workers[w].decode.remote(unit.cell.model, unit.params, unit.prompts(), unit.keep_trace)
+            self.inflight[ref] = ("decode", w, unit)
+
+    def decoded_unit(self, w: int, unit: Unit, out: DecodedUnit) -> None:
+        self.busy[w] -= 1
+        self.feed(w)
+        cell = unit.cell
+        self.store.append_prefix_cache(cell.model.name, cell.decode.name, cell.benchmark, PrefixCacheRecord(
+            problem_ids=[p.problem_id for p in unit.problems], query_tokens=out.prefix_query_tokens,
+            hit_tokens=out.prefix_hit_tokens, node=out.node))
+        for problem, d in zip(unit.problems, out.decoded):
+            if d.trace is not None:
+                self.store.append_trace(cell.model.name, cell.decode.name, cell.benchmark, problem.problem_id,
+                                        d.trace)
+            self.score(cell, problem, d)
+            self.decoded += 1
+
+    def score(self, cell: Cell, problem: Problem, d: Decoded) -> None:
+        key = (problem.benchmark, problem.problem_id)
+        if key not in self.problem_refs:  # one copy in the object store, shared by every config's scoring tasks
+            self.problem_refs[key] = ray.put(problem)
+        ref = _score.options(**self.pool.score_options(_scorer_env())).remote(
+            cell.bench.name, self.problem_refs[key], d.completion)
+        self.inflight[ref] = ("score", cell, problem, d)
+
+    def recover(self, error: BaseException) -> None:
+        """Put every unit in flight back in the queue and every score in flight aside, reserve again, go on."""
+        self.losses += 1
+        if self.losses > MAX_LOSSES:
+            raise RuntimeError(f"the sweep lost workers {self.losses} times; giving up") from error
+        units = [w[2] for w in self.inflight.values() if w[0] == "decode"]
+        scores = [w[1:] for w in self.inflight.values() if w[0] == "score"]
+        self.inflight.clear()
+        for unit in reversed(units):
+            self.queue.requeue(unit)
+        self.pool.rebuild(error, {"units": len(units), "problems": sum(len(u.problems) for u in units),
+                                  "scores": len(scores)})
+        self._reset_workers()
+        for cell, problem, d in scores:
+            self.score(cell, problem, d)
+        for w in range(len(self.pool.workers)):
+            self.feed(w)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -148,7 +190,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", type=int, help="override the number of decoder actors")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], help="override device")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a field, e.g. --set workers=2 --set scoring_workers=1")
+                    help="override a field, e.g. --set workers=2 --set scorers=1")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from stored records; no Ray")
     ap.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in job logs)")
     ap.add_argument("--unsafe-code-exec", action="store_true",

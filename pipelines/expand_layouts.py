@@ -25,10 +25,11 @@ order or sharding (file names and row order inside the shards may differ). Exact
 the same seq_id and therefore the same noise: deduplicate upstream if that matters.
 
 Run:
-    python -m pipelines.expand_layouts --config configs/expand/x.yaml        # local ray.init()
+    python -m pipelines.expand_layouts --config configs/expand/x.yaml        # a local cluster of its own
     mbd expand --config configs/expand/x.yaml --epoch 1                       # flags override YAML
     ray job submit --working-dir . -- python -m pipelines.expand_layouts --config configs/expand/x.yaml
-`ray.init()` joins the cluster named by RAY_ADDRESS (set by `ray job submit`) or starts a local one.
+It joins the cluster named by RAY_ADDRESS (set by `ray job submit`), else starts a local one of its own
+(`pipelines/ray_session.py`).
 """
 
 from __future__ import annotations
@@ -39,20 +40,23 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mbd.config import apply_sets, read_yaml, validate
-from mbd.multitf.corrupt import ROW_SCHEMA, expand_sequence
-from mbd.multitf.layouts import num_layouts
+from mbd.multitf.corrupt import ROW_SCHEMA
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
-from mbd.multitf.schedulers import SchedulerConfig, build_scheduler
+from mbd.multitf.rows import LayoutSection, TokenizedSequence, sequence_rows
+from mbd.multitf.schedulers import SchedulerConfig, SchedulerName, build_scheduler
+from pipelines.ray_session import init_ray, ray_cluster
+
+__all__ = ["run_expand", "ExpandConfig", "ExpandSummary", "main"]  # what other pipelines may use
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
@@ -69,12 +73,21 @@ class ExpandConfig(BaseModel):
     model_dir: str = Field(description="directory with config.json and tokenizer.json")
     block_size: int | None = Field(default=None, gt=0, description="B; default: the model's block_size")
     max_length: int = Field(default=2048, gt=0, description="padded prompt + response tokens")
+    mode: Literal["multitf", "d2f"] = Field(default="multitf", description="d2f: the authors' D2F ablation rows")
     gmax: int = Field(default=4, ge=2, description="G_max, largest noise-group")
     n_rand: int = Field(default=0, ge=0, description="N_rand, random group-layouts per sequence")
     scheduler: SchedulerConfig = SchedulerConfig()
     seed: int = Field(default=0, ge=0)
-    epoch: int = Field(default=0, ge=0)
+    epoch: int = Field(default=0, ge=0, description="epoch key of the rows; training pass p redraws epoch + p")
     sequences_per_task: int = Field(default=32, gt=0, description="records per block: the unit of parallelism")
+
+    @model_validator(mode="after")
+    def _check_layouts(self) -> "ExpandConfig":
+        self.layouts()  # mode / scheduler / gmax consistency, with LayoutSection's message
+        return self
+
+    def layouts(self) -> LayoutSection:
+        return LayoutSection(mode=self.mode, gmax=self.gmax, n_rand=self.n_rand, scheduler=self.scheduler)
 
 
 class ExpandSummary(BaseModel):
@@ -217,20 +230,21 @@ def select(batch: pa.Table, *, bad: bool) -> pa.Table:
 def expand_batch(batch: pa.Table, *, cfg_json: str, block_size: int, mask_token_id: int) -> pa.Table:
     """N sequences -> N * |Lambda| training rows (the row count changes on purpose)."""
     cfg = ExpandConfig.model_validate_json(cfg_json)
+    layouts = cfg.layouts()
     scheduler = build_scheduler(cfg.scheduler)
     rows: list[dict[str, Any]] = []
     for seq_id, ids, p_len, r_len in zip(*(batch.column(c).to_pylist() for c in
                                             ("seq_id", "clean_ids", "prompt_len", "response_len"))):
-        rows += expand_sequence(np.asarray(ids, dtype=np.int32), p_len, r_len, block_size=block_size,
-                                gmax=cfg.gmax, n_rand=cfg.n_rand, scheduler=scheduler,
-                                mask_token_id=mask_token_id, seed=cfg.seed, seq_id=seq_id, epoch=cfg.epoch)
+        seq = TokenizedSequence(seq_id, np.asarray(ids, dtype=np.int32), p_len, r_len)
+        rows += sequence_rows(seq, layouts, block_size=block_size, mask_token_id=mask_token_id, seed=cfg.seed,
+                              epoch=cfg.epoch, scheduler=scheduler)
     return rows_to_table(rows)
 
 
 def run_expand(cfg: ExpandConfig) -> ExpandSummary:
-    """Run the expansion job on the current Ray cluster (ray.init() if none is connected)."""
+    """Run the expansion job on the current Ray cluster (`init_ray` if none is connected)."""
     if not ray.is_initialized():
-        ray.init()
+        init_ray()
     _, model_cfg = load_tokenizer(cfg.model_dir)
     block_size = cfg.block_size or model_cfg.block_size
     start = time.perf_counter()
@@ -258,7 +272,7 @@ def run_expand(cfg: ExpandConfig) -> ExpandSummary:
     sequences_in = tokenized.count()
     return ExpandSummary(
         sequences_in=sequences_in, sequences_ok=sequences_in - quarantined, quarantined=quarantined,
-        quarantine_reasons=dict(sorted(reasons.items())), layouts_per_sequence=num_layouts(cfg.gmax, cfg.n_rand),
+        quarantine_reasons=dict(sorted(reasons.items())), layouts_per_sequence=cfg.layouts().layouts_per_sequence,
         rows_out=rows_out, elapsed_s=round(elapsed, 3), rows_per_s=round(rows_out / max(elapsed, 1e-9), 1),
         rows_dir=str(rows_dir), quarantine_dir=str(quarantine_dir) if quarantined else None,
     )
@@ -277,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, typ in (("block-size", int), ("max-length", int), ("gmax", int), ("n-rand", int), ("seed", int),
                       ("epoch", int)):
         ap.add_argument(f"--{flag}", dest=flag.replace("-", "_"), type=typ)
-    ap.add_argument("--scheduler", dest="name", choices=["chain_uniform", "d2f", "random", "random_iid", "sorted_uniform"])
+    ap.add_argument("--mode", choices=["multitf", "d2f"])
+    ap.add_argument("--scheduler", dest="name", choices=list(SchedulerName.__args__))
     for flag in ("t-low", "t-high", "rho", "gamma-rand"):
         ap.add_argument(f"--{flag}", dest=flag.replace("-", "_"), type=float)
     return ap
@@ -295,7 +310,9 @@ def config_from_args(argv: Sequence[str] | None) -> ExpandConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    summary = run_expand(config_from_args(argv))
+    cfg = config_from_args(argv)
+    with ray_cluster():
+        summary = run_expand(cfg)
     print(summary.model_dump_json(indent=2))
     return 0
 

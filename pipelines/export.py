@@ -23,6 +23,8 @@ from mbd.config import DTYPE_NAMES, parse_dtype
 from mbd.model import load_checkpoint, save_checkpoint
 from mbd.model.checkpoint import copy_tokenizer_files
 
+__all__ = ["export_checkpoint", "latest_checkpoint", "main"]  # what other pipelines may use
+
 
 def checkpoint_step(path: Path) -> int:
     state = path / "train_state.json"

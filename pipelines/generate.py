@@ -17,6 +17,8 @@ from pathlib import Path
 
 from mbd.config import REPO_ROOT, ConfigError, DecodeConfig, load_yaml, read_yaml
 
+__all__ = ["load_decode_config", "main"]  # what other pipelines may use
+
 TINY_DIR = REPO_ROOT / "mbd" / "assets" / "tiny"
 
 

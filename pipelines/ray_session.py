@@ -1,13 +1,18 @@
-"""The Ray session of an `mbd` command (quickstart, reproduce, train, eval): the console shows only the command's
-own stage lines, notes and progress bars.
+"""The Ray cluster of an `mbd` command, and its console.
 
-Ray's driver-side output goes to `<log_dir>/ray.log`, whose path is printed: the loggers of Ray core, Ray Data,
-Ray Train and Ray Serve, and the messages the cluster sends the driver (raylet warnings, errors of tasks nobody
-waits on), which Ray prints straight to stdout. Worker, actor and Serve controller/proxy/replica output stays in
-Ray's session directory (`log_to_driver=False`). Each Ray library attaches its own console handler to its logger
-when imported (Ray Serve's `ray.serve` does not propagate), so the libraries the commands drive are imported
-first and every `ray*` logger is then routed, once before and once after `ray.init`, which configures them again.
-On exit everything is put back and only a cluster the session started is shut down.
+`ray_cluster`: a command joins the cluster that `--address` or RAY_ADDRESS names, else starts a new local cluster
+of its own. It never joins a leftover by accident: a plain `ray.init()` joins whatever cluster Ray's record
+`ray_current_cluster` (in Ray's temp dir) names, even one of a head that died uncleanly, so the local case asks for
+`address="local"`. A cluster the command started is shut down on exit, SIGTERM included, and then every process
+that cluster started and that still runs is ended by pid (Ray's DashboardAgent and RuntimeEnvAgent were seen to
+outlive their raylet).
+
+`ray_session` (quickstart, reproduce, train, eval) adds a quiet console: only the command's own stage lines, notes
+and progress bars. Ray's driver-side output goes to `<log_dir>/ray.log`, whose path is printed: the loggers of Ray
+core, Data, Train and Serve (standard logging: each Ray library attaches its own console handler to its logger when
+imported, Ray Serve's does not propagate, and `ray.init` configures them again, so they are routed once before and
+once after it) and the cluster's messages to the driver (`pipelines/ray_private.py`). Worker, actor and Serve
+controller/proxy/replica output stays in Ray's session directory (`log_to_driver=False`).
 """
 
 from __future__ import annotations
@@ -15,98 +20,143 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
+import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+import psutil
 
 from actors.tp_worker import free_port
+from pipelines.process_tree import descendants, end_processes
+from pipelines.ray_private import route_cluster_messages
 
 RAY_LOG = "ray.log"
 LIBRARIES = ("ray.data", "ray.train", "ray.serve")  # each sets up its logger's handlers on import
+# Ray's fixed default ports (GCS, dashboard, dashboard agent; Ray's "Configuring Ray: ports" documentation)
+RAY_DEFAULT_PORTS = frozenset({6379, 8265, 52365})
+LOG_FORMAT = "%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"
+
+
+def dashboard_port() -> int:
+    """A free port for a local cluster's (disabled) dashboard address that none of Ray's fixed default ports is:
+    Ray refuses to start when two of its components would share one (52365 is the dashboard agent's)."""
+    while (port := free_port()) in RAY_DEFAULT_PORTS:
+        pass
+    return port
+
+
+def named_address(address: str | None = None) -> str | None:
+    """The cluster the user named: `address`, else RAY_ADDRESS (set by `ray job submit`), else None."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, **init_kwargs: Any) -> bool:
+    """`ray.init` on the named cluster, else on a new local one (never a leftover); returns whether it started one.
+    The local cluster has no dashboard, but its address still names a port of its own: Ray Train's placement-group
+    cleaner asks the State API there whether the run's controller lives, and another Ray cluster on this machine
+    answering at the default port 8265 ("no such actor") would get our training workers killed."""
+    import ray
+
+    if (named := named_address(address)) is not None:
+        ray.init(address=named, **init_kwargs)
+        return False
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, dashboard_port=dashboard_port(),
+             **init_kwargs)
+    return True
+
+
+def _exit_on_sigterm(*_: object) -> None:
+    raise SystemExit(128 + signal.SIGTERM)
+
+
+@contextmanager
+def _command_handles_sigterm() -> Iterator[None]:
+    """Keeps the command's SIGTERM handler (else: exit through the `finally` blocks) across `ray.init`, which
+    installs Ray's own: that one ends the node's processes, but not the agents under its raylet, and exits."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    own = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm if own in (signal.SIG_DFL, None) else own)
+
+
+@contextmanager
+def ray_cluster(address: str | None = None, num_cpus: int | None = None, **init_kwargs: Any) -> Iterator[bool]:
+    """Reuse a connected Ray, else `init_ray`; yields whether it started a cluster, which it alone shuts down,
+    ending every process of it still alive afterwards."""
+    import ray
+
+    if ray.is_initialized():
+        yield False
+        return
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+    main = threading.current_thread() is threading.main_thread()
+    own = signal.getsignal(signal.SIGTERM) if main else None
+    with _command_handles_sigterm():
+        started = init_ray(address, num_cpus, **init_kwargs)
+    ours = [p.pid for p in me.children() if p.pid not in before] if started else []
+    try:
+        yield started
+    finally:
+        procs = descendants(ours)  # taken before shutdown: orphans can no longer be found
+        ray.shutdown()
+        end_processes(procs)
+        if own is not None:
+            signal.signal(signal.SIGTERM, own)
 
 
 class _Routing:
-    """Moves every `ray` / `ray.*` logger's output, and the driver's cluster messages, to one handler; puts
-    them back as they were."""
+    """Moves every `ray` / `ray.*` logger's output, and the cluster's messages to the driver, to one handler;
+    puts them back as they were."""
 
     def __init__(self, handler: logging.Handler):
         self.handler = handler
         self.saved: dict[str, tuple[list[logging.Handler], bool]] = {}
-        self.printer: Any = None
+        self.undo_messages: Callable[[], None] | None = None
 
     def apply(self) -> None:
-        from ray._private import worker
-
         names = ["ray"] + [n for n in logging.root.manager.loggerDict if n.startswith("ray.")]
         for name in names:
             logger = logging.getLogger(name)
             self.saved.setdefault(name, (list(logger.handlers), logger.propagate))
             logger.handlers = [self.handler] if name == "ray" else []
             logger.propagate = name != "ray"
-        if self.printer is None:
-            # the driver's listener thread prints cluster messages with this function, looked up at each call
-            self.printer, worker.print_to_stdstream = worker.print_to_stdstream, _log_cluster_message
+        if self.undo_messages is None:
+            log = logging.getLogger("ray.cluster_messages")
+            self.undo_messages = route_cluster_messages(lambda source, line: log.warning("(%s) %s", source, line))
 
     def restore(self) -> None:
-        from ray._private import worker
-
         for name, (handlers, propagate) in self.saved.items():
             logger = logging.getLogger(name)
             logger.handlers, logger.propagate = handlers, propagate
-        if self.printer is not None:
-            worker.print_to_stdstream = self.printer
-
-
-def dashboard_port() -> int:
-    """A free port for a local cluster's (disabled) dashboard address that none of Ray's fixed default ports take:
-    Ray refuses to start when two of its components would share one (52365 is the dashboard agent's)."""
-    from ray._private import ray_constants as rc
-
-    taken = {rc.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT, rc.DEFAULT_DASHBOARD_PORT, rc.DEFAULT_PORT}
-    while (port := free_port()) in taken:
-        pass
-    return port
-
-
-def _log_cluster_message(data: dict[str, Any], ignore_prefix: bool = False) -> None:
-    log = logging.getLogger("ray.cluster_messages")
-    for line in data.get("lines", []):
-        log.warning("(%s) %s", data.get("pid"), line)
+        if self.undo_messages is not None:
+            self.undo_messages()
 
 
 @contextmanager
-def ray_session(log_dir: Path, num_cpus: int | None = None) -> Iterator[bool]:
-    """Reuse a connected Ray, else join RAY_ADDRESS, else start a local cluster (`num_cpus`, no dashboard);
-    yields whether it started one, which it alone shuts down."""
-    import ray
-    from ray._private import ray_constants
-
+def ray_session(log_dir: Path, num_cpus: int | None = None, address: str | None = None) -> Iterator[bool]:
+    """`ray_cluster` (no dashboard, `log_to_driver=False`) with Ray's driver-side output in `<log_dir>/ray.log`;
+    yields whether it started the cluster."""
     for lib in LIBRARIES:
         importlib.import_module(lib)
     log_dir.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(log_dir / RAY_LOG)
     handler.setLevel(logging.INFO)  # Ray Data's loggers run at DEBUG
-    handler.setFormatter(logging.Formatter(ray_constants.LOGGER_FORMAT))  # the format ray.init gives it anyway
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
     routing = _Routing(handler)
     routing.apply()
     print(f"    Ray's log: {log_dir / RAY_LOG} (workers: Ray's session directory, /tmp/ray/session_latest/logs "
           f"on a local cluster)", flush=True)
-    started = not ray.is_initialized()
     try:
-        if started:
-            if os.environ.get("RAY_ADDRESS"):
-                ray.init(log_to_driver=False)
-            else:
-                # No dashboard, but its address still names a port of its own: Ray Train's placement-group
-                # cleaner asks the State API there whether the run's controller lives, and another Ray cluster
-                # on this machine answering at the default port 8265 ("no such actor") would get our training
-                # workers killed.
-                ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_port=dashboard_port(),
-                         log_to_driver=False)
-        routing.apply()
-        yield started
+        with ray_cluster(address, num_cpus, log_to_driver=False) as started:
+            routing.apply()
+            yield started
     finally:
-        if started:
-            ray.shutdown()
         routing.restore()
         handler.close()

@@ -6,7 +6,7 @@ training steps, about 35 with the default 800, on 2 CPU cores; docs/reproduce.md
     mbd reproduce --parts schedulers --steps 150       # claim (d); reuses what earlier runs stored
     mbd reproduce --report-only                        # rewrite the report from what is stored
 
-Claims (paper section), each judged by a stated test on the same held-out problems (mbd.eval.report): a 95%
+Claims (paper section), each judged by a stated test on the same held-out problems (mbd.eval.claims): a 95%
 interval wholly on the claim's side of its threshold is REPRODUCED, wholly on the other side NOT REPRODUCED,
 straddling it INCONCLUSIVE (the data cannot tell at this n):
   (a) MBD TPF >= 1.78x SingleBD at accuracy >= SingleBD - 1 pp: paired Wald CI of the accuracy difference
@@ -40,13 +40,16 @@ from typing import NamedTuple, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 from mbd.config import ConfigError, resolve_path
-from mbd.eval.report import Claim, Curve, MethodRow, claims_table, judge_active, judge_aup, judge_main, method_table
+from mbd.eval.claims import Claim, Curve, claims_table, judge_active, judge_aup, judge_main
+from mbd.eval.report import MethodRow, method_table
 from mbd.eval.sweep import ResultStore
 from mbd.multitf.layouts import num_layouts
-from pipelines.quickstart import (BENCHMARK, DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, QuickstartConfig, Stages,
-                                  curves_of, expand_stage, load_config, point_name, rows_of, section_title,
-                                  sweep_config, train_stage, write_corpus)
 from pipelines.ray_session import ray_session
+from pipelines.stages import (BENCHMARK, DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, MethodSpec, QuickstartConfig, Stages,
+                              curves_of, expand_stage, load_config, point_name, rows_of, section_title, sweep_config,
+                              train_stage, write_corpus)
+
+__all__ = ["run_reproduce", "main"]
 
 PARTS: dict[str, tuple[str, ...]] = {
     "core": ("chain",),
@@ -113,7 +116,7 @@ def train_variant(cfg: QuickstartConfig, run: Path, base: Path, name: str, rows_
     return model
 
 
-def methods_for(cfg: QuickstartConfig, variants: Sequence[str]) -> list[tuple[str, str, str, str]]:
+def methods_for(cfg: QuickstartConfig, variants: Sequence[str]) -> list[MethodSpec]:
     """(label, key, decode YAML, model) for the sweep: the base under SingleBD and MultiBD, each variant under
     MultiBD (one AUP curve each)."""
     out = [(SINGLEBD, "singlebd", cfg.eval.singlebd, "base"), (MULTIBD_TF, "multibd-tf", cfg.eval.multibd, "base")]
@@ -122,7 +125,7 @@ def methods_for(cfg: QuickstartConfig, variants: Sequence[str]) -> list[tuple[st
 
 # ---------------------------------------------------------------- claims and report
 
-def judge_all(cfg: QuickstartConfig, run: Path, methods: Sequence[tuple[str, str, str, str]],
+def judge_all(cfg: QuickstartConfig, run: Path, methods: Sequence[MethodSpec],
               stored: set[tuple[str, str]]) -> list[Claim]:
     """Every claim from the per-problem records stored for the complete methods (others are NOT RUN)."""
     complete = [m for m in methods if all((m[3], point_name(m[1], o)) in stored for o in cfg.eval.overrides(m[2]))]

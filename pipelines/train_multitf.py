@@ -14,9 +14,13 @@ adds a gathered HF safetensors snapshot (`model/`); all ranks report the same ch
 merges into one directory. A restarted worker group (FailureConfig) or a re-run with the same
 RunConfig(name, storage_path) resumes from `ray.train.get_checkpoint()`.
 
+Noise on every pass: pass p over the data trains on rows drawn with epoch key `epoch + p` (on-the-fly rows by
+the step sampler's epoch; Parquet rows redrawn from their stored clean tokens and recipe, `rows.redraw_columns`),
+so no pass replays another's masks, as the authors' data transform redraws noise on every access.
+
 Data order on resume: on-the-fly rows are a pure function of (seed, step, rank), so a resumed run trains on
 exactly the rows an uninterrupted one would. Parquet shards are streamed by Ray Data, whose split order is
-not replayable: a resumed run starts a fresh pass over the shards.
+not replayable: a resumed run starts a fresh pass over the shards, with the noise of the pass it had reached.
 
 Step metrics (rank 0, all-reduced over workers): loss, ce/<layout kind>, ce/slot<i> (slot inside the
 noise-group), masked_tokens, tokens_per_s (tokens of both streams, batch padding excluded), lr; `probe_loss` (the
@@ -44,11 +48,15 @@ from pydantic import BaseModel
 from ray.data.collate_fn import NumpyBatchCollateFn
 
 from mbd.config import ConfigError, ModelConfig, load_yaml, read_json
-from mbd.multitf.batching import Batch, OnTheFlyRows, StepSampler, TokenizedSequence, collate, rows_to_columns
+from mbd.multitf.batching import Batch, OnTheFlyRows, StepSampler, collate, rows_to_columns
 from mbd.multitf.objectives import compute_objective, loss_stats, stats_metrics, stats_size
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
+from mbd.multitf.rows import TokenizedSequence, redraw_columns
+from mbd.plan_check import check_train
 from mbd.train_config import TrainConfig
-from pipelines.ray_session import ray_session
+from pipelines.ray_session import init_ray, ray_session
+
+__all__ = ["run_train", "TrainSummary", "main"]  # what other pipelines may use
 
 POLL_S = 0.5
 SHUFFLE_BUFFER_ROWS = 4096  # rows each worker draws its Parquet micro-batches from at random
@@ -82,23 +90,27 @@ class Progress:
 # ---------------------------------------------------------------- worker side
 
 class RowCollate(NumpyBatchCollateFn):
-    """Ray Data numpy batch (ragged list columns) -> `Batch` with the dual-stream mask."""
+    """Ray Data numpy batch (ragged list columns) -> `Batch` with the dual-stream mask, its noise redrawn for
+    training pass `pass_index`."""
 
-    def __init__(self, block_size: int, pad_token_id: int, attention: str, device: torch.device):
+    def __init__(self, mcfg: ModelConfig, attention: str, device: torch.device, pass_index: int):
         super().__init__()
-        self.kw = dict(block_size=block_size, pad_token_id=pad_token_id, attention=attention, device=device)
+        self.pass_index, self.mcfg = pass_index, mcfg
+        self.kw = dict(block_size=mcfg.block_size, pad_token_id=mcfg.pad_token_id, attention=attention, device=device)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Batch:
-        return collate(batch, **self.kw)
+        rows = redraw_columns(batch, self.pass_index, block_size=self.mcfg.block_size,
+                              mask_token_id=self.mcfg.mask_token_id)
+        return collate(rows, **self.kw)
 
 
-def parquet_batches(cfg: TrainConfig, mcfg: ModelConfig, device: torch.device) -> Iterator[Batch]:
+def parquet_batches(cfg: TrainConfig, mcfg: ModelConfig, device: torch.device, first_pass: int) -> Iterator[Batch]:
     """Endless micro-batches of this worker's shard; equal shard sizes keep the workers in step."""
     shard = ray.train.get_dataset_shard("train")
-    fn = RowCollate(mcfg.block_size, mcfg.pad_token_id, cfg.attention, device)
-    epoch = 0
+    epoch = first_pass
     while True:
         empty = True
+        fn = RowCollate(mcfg, cfg.attention, device, epoch)
         # `mbd expand` writes a sequence's |Lambda| layouts next to each other: without a shuffle buffer a
         # micro-batch would hold the layouts of one or two sequences (issue 11: MBD-tiny 72.8% -> 80.1% with it)
         for batch in shard.iter_torch_batches(batch_size=cfg.deepspeed.micro_batch_size, collate_fn=fn,
@@ -198,8 +210,9 @@ def train_loop(config: dict[str, Any]) -> None:
         rows = OnTheFlyRows(ray.get(config["sequences"]), cfg.layouts, block_size=mcfg.block_size,
                             mask_token_id=mcfg.mask_token_id, seed=cfg.seed)
         batches = on_the_fly_batches(cfg, mcfg, rows, rank, world, start + 1, device)
-    else:
-        batches = parquet_batches(cfg, mcfg, device)
+    else:  # the pass a resumed run had reached: rows consumed per worker / rows in its shard
+        per_worker = max(config["parquet_rows"] // world, 1)
+        batches = parquet_batches(cfg, mcfg, device, start * ds.grad_accum * ds.micro_batch_size // per_worker)
     if start == 0:
         initial = probe_loss()
         if rank == 0:
@@ -344,7 +357,7 @@ def one_time_note(cfg: TrainConfig) -> str:
 
 
 def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
-    """Run (or resume) a training run on the current Ray cluster (ray.init() if none is connected)."""
+    """Run (or resume) a training run on the current Ray cluster (`init_ray` if none is connected)."""
     from pipelines.export import export_checkpoint
 
     cfg = absolute_paths(cfg)
@@ -352,12 +365,12 @@ def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
         raise ConfigError(f"model_path: {cfg.model_path} has no config.json (an HF-format model directory)")
     mcfg = ModelConfig.from_hf(read_json(Path(cfg.model_path) / "config.json"))
     if not ray.is_initialized():
-        ray.init()
+        init_ray()
     start = time.perf_counter()
     datasets, sequences, probe_rows, skipped = prepare_data(cfg, mcfg)
     progress = Progress.remote()
     config = {"cfg": cfg.model_dump(mode="json"), "progress": progress, "sequences": sequences,
-              "probe_rows": probe_rows}
+              "probe_rows": probe_rows, "parquet_rows": datasets["train"].count() if datasets else 0}
     trainer = build_trainer(cfg, config, datasets)
     outcome: dict[str, Any] = {}
 
@@ -402,6 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = load_yaml(args.config, TrainConfig, sets=args.overrides)
+        check_train(cfg)  # refuse a run whose ranks cannot hold it, before Ray starts or weights load
         local = "://" not in cfg.run.storage_path
         log_dir = Path(cfg.run.run_dir).resolve() if local else Path(tempfile.mkdtemp(prefix="mbd-train-"))
         with ray_session(log_dir):

@@ -20,6 +20,13 @@ from serve_app.config import load_serve_config
 from serve_app.decoder import Decoder
 from serve_app.ingress import OpenAIIngress
 
+# Ray Serve's documented switches (its performance guide): a replica runs our handlers, and routes its calls to
+# the decoder, on its main event loop instead of two extra threads. Our handlers never block their loop (big
+# (de)tokenization runs in a pool; the engine has its own thread), and each request would otherwise cross
+# threads, and contend for the GIL, several times per hop.
+ONE_LOOP = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                         "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}}
+
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """`serve run serve_app.app:build_app config=PATH`: the whole application from one serve YAML
@@ -37,7 +44,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     dec = cfg.decoder
     rank_res = {"CPU": spec.num_cpus_per_rank} | ({"GPU": spec.num_gpus_per_rank} if spec.num_gpus_per_rank else {})
     decoder = Decoder.options(
-        ray_actor_options={"num_cpus": spec.num_cpus_per_rank, "num_gpus": spec.num_gpus_per_rank},
+        ray_actor_options={"num_cpus": spec.num_cpus_per_rank, "num_gpus": spec.num_gpus_per_rank,
+                           "runtime_env": ONE_LOOP},
         placement_group_bundles=[rank_res] * spec.tensor_parallel_size,
         placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=dec.max_ongoing_requests,
@@ -51,5 +59,5 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     ing = cfg.ingress
     return OpenAIIngress.options(
         num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
-        ray_actor_options={"num_cpus": ing.num_cpus},
+        ray_actor_options={"num_cpus": ing.num_cpus, "runtime_env": ONE_LOOP},
     ).bind(decoder, cfg)

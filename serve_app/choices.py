@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 from actors.decoder import Delta
+from actors.trace import mark
 from mbd.detokenize import TextStream
 from serve_app.protocol import MBDStats, PromptTokensDetails, Usage
 
-Sync = Callable[..., Awaitable]  # runs a function off the event loop and awaits its result
+Sync = Callable[..., Awaitable]  # sync(cost, fn, *args): fn(*args), off the event loop when the cost is large
 
 
 @dataclass
@@ -31,12 +32,13 @@ class Piece:
 
 
 class Choice:
-    """One engine request: `deltas` is its decoder stream after the `first` delta (already awaited), `cancel`
-    aborts it."""
+    """One engine request (id `rid`): `deltas` is its decoder stream after the `first` delta (already awaited),
+    `cancel` aborts it."""
 
-    def __init__(self, index: int, prompt: list[int], text: TextStream, deltas: AsyncIterator[Delta],
+    def __init__(self, rid: str, index: int, prompt: list[int], text: TextStream, deltas: AsyncIterator[Delta],
                  cancel: Callable[[], None], first: Delta):
-        self.index, self.prompt, self.text, self.deltas, self.cancel = index, prompt, text, deltas, cancel
+        self.rid, self.index, self.prompt, self.text = rid, index, prompt, text
+        self.deltas, self.cancel = deltas, cancel
         self.first = self.last = first
         self.logprobs: list[float] = []
         self.sent = 0  # tokens already reported in pieces
@@ -56,22 +58,24 @@ class Choice:
         return Piece(self.index, text, ids, lps, finish)
 
     async def pieces(self, sync: Sync) -> AsyncIterator[Piece]:
-        """Pieces until the engine finishes or a stop string is hit (detokenization runs through `sync`,
-        off the event loop); leaving early (client gone) aborts the request in the engine."""
-        done = False
+        """Pieces until the engine finishes or a stop string is hit (detokenization runs through `sync`: a large
+        delta off the event loop); leaving early (client gone) aborts the request in the engine."""
+        done, received = False, 0
         try:
             d: Delta | None = self.first
             while d is not None:
+                received += len(d.token_ids)
+                mark(self.rid, "delta", received)
                 self.last = d
                 self.logprobs += d.logprobs or []
-                text, upto = await sync(self._push, d.token_ids)
+                text, upto = await sync(len(d.token_ids), self._push, d.token_ids)
                 if text:
                     yield self._piece(text, upto, None)
                 done = d.finished
                 if done or self.text.stopped:
                     break
                 d = await anext(self.deltas, None)
-            tail, upto = await sync(self._finish)
+            tail, upto = await sync(0, self._finish)
             yield self._piece(tail, upto, self.finish_reason)
         finally:
             if not done:

@@ -39,11 +39,19 @@ class Autoscaling(StrictModel):
 
 
 class DecoderDeployment(StrictModel):
-    """Serve knobs of the engine-host deployment (one replica = one placement group = TP ranks)."""
+    """Serve knobs of the engine-host deployment (one replica = one placement group = TP ranks).
 
-    max_ongoing_requests: int = Field(default=16, ge=1, description="requests inside one replica's engine")
-    max_queued_requests: int = Field(default=64, ge=-1, description="-1: unbounded; beyond it clients get 503")
+    A replica should accept many more requests than it has batch rows: those beyond the rows wait in the engine's
+    own queue, which admits one the step a row frees. Requests that a full replica refuses wait in Serve's router
+    instead, which retries with a backoff of up to half a second while rows may sit empty."""
+
+    max_ongoing_requests: int = Field(default=256, ge=1,
+                                      description="requests inside one replica: decoding + in its engine's queue")
+    max_queued_requests: int = Field(default=64, ge=-1, description="waiting for a replica with room; -1: "
+                                                                    "unbounded; beyond it clients get 503")
     retry_after_s: float = Field(default=1.0, ge=0)
+    replica_retries: int = Field(default=2, ge=0, description="times a request is started again when its replica "
+                                                              "died before the client got any of its tokens")
     autoscaling: Autoscaling = Autoscaling()
     health_check_period_s: float = Field(default=10, gt=0)
     health_check_timeout_s: float = Field(default=30, gt=0)
@@ -71,6 +79,14 @@ class ServeConfig(StrictModel):
     decoder: DecoderDeployment = DecoderDeployment()
     ingress: IngressDeployment = IngressDeployment()
     http: HTTPSpec = HTTPSpec()
+
+    @model_validator(mode="after")
+    def _rows_can_fill(self) -> "ServeConfig":
+        if self.decoder.max_ongoing_requests < self.model.max_batch_slots:
+            raise ValueError(f"decoder.max_ongoing_requests={self.decoder.max_ongoing_requests} leaves batch rows "
+                             "empty: a replica must accept at least model.max_batch_slots="
+                             f"{self.model.max_batch_slots} requests")
+        return self
 
 
 def load_serve_config(path: str | Path) -> ServeConfig:

@@ -10,6 +10,7 @@ from ray import serve
 
 from actors.decoder import Delta, EngineHost
 from actors.tp_worker import ModelSpec
+from actors.trace import mark
 from mbd.config import DecodeConfig
 from mbd.decoding.constraints import ConstraintSpec
 from serve_app.metrics import DecoderMetrics
@@ -18,23 +19,19 @@ from serve_app.metrics import DecoderMetrics
 @serve.deployment
 class Decoder:
     """Engine host replica: streams each request's committed blocks. With `per_block=False` they are merged into
-    one final Delta, so a non-streaming request costs one Ray stream item instead of one per block."""
+    one final Delta, so a non-streaming request costs one Ray stream item (and one wake-up) instead of one per
+    block."""
 
     def __init__(self, spec: ModelSpec, decode: DecodeConfig):
         self.metrics = DecoderMetrics()
         self.host = EngineHost(spec, decode, on_step=self.metrics.update)
 
     async def generate(self, prompt_ids: list[int], params: DecodeConfig, per_block: bool = True,
-                       constraint: ConstraintSpec | None = None) -> AsyncIterator[Delta]:
+                       rid: str | None = None, constraint: ConstraintSpec | None = None) -> AsyncIterator[Delta]:
+        mark(rid or "-", "arrive")
         self.host.validate(prompt_ids, params, constraint)
-        merged = Delta()
-        async for d in self.host.generate(prompt_ids, params, constraint):
-            if per_block:
-                yield d
-            else:
-                merged = merged.merge(d)
-        if not per_block:
-            yield merged
+        async for d in self.host.generate(prompt_ids, params, rid, per_block, constraint):
+            yield d
 
     def check_health(self) -> None:
         self.host.check()

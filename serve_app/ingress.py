@@ -17,11 +17,14 @@ from typing import Any, Callable
 
 from fastapi import FastAPI
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from actors.decoder import Delta
-from mbd.config import ModelConfig, read_json
+from actors.decoder import Delta, EngineDead
+from actors.trace import mark
+from mbd.config import DecodeConfig, ModelConfig, read_json
+from mbd.decoding.constraints import ConstraintSpec
 from mbd.detokenize import TextStream
 from mbd.tokenizer import Tokenizer
 from serve_app import sse
@@ -36,11 +39,23 @@ from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChun
                                 ModelCard, ModelList, SamplingFields, TokenLogprob, Usage, new_id, now)
 
 log = logging.getLogger("ray.serve")
+INLINE_COST = 1024  # characters or tokens (de)tokenized on the event loop; more go to the tokenizer pool
 
 
 def _root(e: BaseException) -> BaseException:
     """The decoder's own exception inside Ray's wrapper (a RayTaskError keeps it as `cause`)."""
     return getattr(e, "cause", None) or e
+
+
+def _replica_died(e: BaseException) -> bool:
+    """The request's replica is gone (killed, its node lost) or can no longer decode (its engine loop died)."""
+    return isinstance(e, RayActorError) or isinstance(_root(e), EngineDead)
+
+
+def _size(prompt: str | list) -> int:
+    """Characters or token ids in a prompt field (a string, ids, or a list of either)."""
+    return len(prompt) if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else \
+        sum(_size(p) for p in prompt)
 
 
 async def _first(gen: DeploymentResponseGenerator) -> Delta:
@@ -69,7 +84,12 @@ class OpenAIIngress:
 
         return http_app(self, api_key=self.cfg.http.api_key or os.environ.get("MBD_API_KEY") or None)
 
-    async def _sync(self, fn: Callable, *args: Any) -> Any:
+    async def _sync(self, cost: int, fn: Callable, *args: Any) -> Any:
+        """fn(*args), inline when its input is small (cost: characters or tokens), else in the tokenizer pool:
+        handing a few hundred characters to a pool thread costs more than (de)tokenizing them, while a huge
+        prompt must not stall the event loop."""
+        if cost <= INLINE_COST:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # ---- endpoints ----
@@ -78,11 +98,11 @@ class OpenAIIngress:
         return ModelList(data=[ModelCard(id=self.name, created=now(), max_model_len=self.max_len)])
 
     async def completions(self, req: CompletionRequest) -> Any:
-        t0 = time.perf_counter()
+        t0, rid, created = time.perf_counter(), new_id("cmpl"), now()
+        mark(rid, "recv")
         self.convert.check_completion(req)
-        prompts = await self._sync(self.convert.encode_prompts, req.prompt)
-        choices = await self._start(req, prompts)
-        rid, created = new_id("cmpl"), now()
+        prompts = await self._sync(_size(req.prompt), self.convert.encode_prompts, req.prompt)
+        choices = await self._start(rid, req, prompts)
 
         def logprobs(p: Piece, offset: int) -> CompletionLogprobs | None:
             if p.logprobs is None:
@@ -106,7 +126,7 @@ class OpenAIIngress:
                 return CompletionResponse(id=rid, created=created, model=self.name, choices=[], usage=u, mbd=stats)
 
             return self._stream(req, choices, prompts, t0, chunk, tail)
-        texts = await self._collect(choices, prompts, t0)
+        choices, texts = await self._collect(rid, req, prompts, choices, t0)
         out = []
         for c, text in zip(choices, texts):
             full = Piece(c.index, text, c.token_ids, c.logprobs[: len(c.token_ids)] if req.logprobs is not None
@@ -118,12 +138,12 @@ class OpenAIIngress:
                                   usage=usage(prompts, choices), mbd=self._stats(req, choices))
 
     async def chat(self, req: ChatCompletionRequest) -> Any:
-        t0 = time.perf_counter()
+        t0, rid, created = time.perf_counter(), new_id("chatcmpl"), now()
+        mark(rid, "recv")
         self.convert.check_chat(req)
         messages = self.convert.messages(req)
-        prompts = [await self._sync(self.convert.encode_chat, messages)]
-        choices = await self._start(req, prompts)
-        rid, created = new_id("chatcmpl"), now()
+        prompts = [await self._sync(sum(len(m["content"]) for m in messages), self.convert.encode_chat, messages)]
+        choices = await self._start(rid, req, prompts)
 
         def logprobs(p: Piece) -> ChatLogprobs | None:
             if p.logprobs is None:
@@ -145,7 +165,7 @@ class OpenAIIngress:
             heads = [ChatCompletionChunk(id=rid, created=created, model=self.name, choices=[
                 ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]) for c in choices]
             return self._stream(req, choices, prompts, t0, chunk, tail, heads)
-        texts = await self._collect(choices, prompts, t0)
+        choices, texts = await self._collect(rid, req, prompts, choices, t0)
         out = []
         for c, text in zip(choices, texts):
             full = Piece(c.index, text, c.token_ids, c.logprobs[: len(c.token_ids)] if req.logprobs else None)
@@ -157,22 +177,24 @@ class OpenAIIngress:
 
     # ---- generation ----
 
-    async def _start(self, req: SamplingFields, prompts: list[list[int]]) -> list[Choice]:
-        """Start n engine requests per prompt (choice index = prompt * n + k, seed = seed + k) and wait for the
-        first block of each: it decides the HTTP status (200, 400 or 503)."""
+    async def _start(self, rid: str, req: SamplingFields, prompts: list[list[int]]) -> list[Choice]:
+        """Start n engine requests per prompt (choice index i = prompt * n + k, seed = seed + k, engine request id
+        rid.i) and wait for the first block of each: it decides the HTTP status (200, 400 or 503)."""
         self.convert.check_choices(req, len(prompts))
         params = self.convert.params(req, max(len(p) for p in prompts))
         constraint = await self._sync(self.convert.constraint, req)
         # blocks one by one only when someone looks at them: an SSE client, or stop strings that may end early
         per_block = req.stream or bool(req.stop_list())
-        gens = [self.decoder.generate.remote(ids, params.model_copy(update={"seed": params.seed + k}), per_block,
-                                             constraint) for ids in prompts for k in range(req.n)]
-        firsts = await asyncio.gather(*(_first(g) for g in gens), return_exceptions=True)
-        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        ids = [f"{rid}.{i}" for i in range(len(prompts) * req.n)]
+        mark(rid, "call")
+        opened = await asyncio.gather(*(self._open(prompts[i // req.n], params.model_copy(
+            update={"seed": params.seed + i % req.n}), per_block, ids[i], constraint) for i in range(len(ids))),
+            return_exceptions=True)
+        failed = next((f for f in opened if isinstance(f, BaseException)), None)
         if failed is not None:
-            for g, f in zip(gens, firsts):
+            for f in opened:
                 if not isinstance(f, BaseException):  # cancelling a refused request re-raises its BackPressureError
-                    g.cancel()
+                    f[0].cancel()
             if isinstance(failed, ValueError):  # the decoder's own validation (the checks above should catch it)
                 raise APIError(400, str(_root(failed))) from failed
             retry = self.cfg.decoder.retry_after_s
@@ -181,20 +203,49 @@ class OpenAIIngress:
             log.error("decoder unavailable: %r", failed)  # a failed or restarting replica: the client should retry
             raise unavailable("decoder unavailable; retry later", retry) from failed
         stops = req.stop_list()
-        return [Choice(i, prompts[i // req.n], TextStream(self.tok, stops), g, g.cancel, f)
-                for i, (g, f) in enumerate(zip(gens, firsts))]
+        return [Choice(ids[i], i, prompts[i // req.n], TextStream(self.tok, stops), g, g.cancel, first)
+                for i, (g, first) in enumerate(opened)]  # type: ignore[misc]
 
-    async def _collect(self, choices: list[Choice], prompts: list[list[int]], t0: float) -> list[str]:
-        texts = [""] * len(choices)
-        try:
-            async with aclosing(merge([c.pieces(self._sync) for c in choices])) as pieces:
-                async for p in pieces:
-                    texts[p.index] += p.text
-        except Exception as e:  # noqa: BLE001 - replica died mid-request; details stay in the server log
-            log.exception("generation failed")
-            raise unavailable("generation failed; retry the request", self.cfg.decoder.retry_after_s) from e
+    async def _open(self, prompt: list[int], params: DecodeConfig, per_block: bool, eid: str,
+                    constraint: ConstraintSpec | None = None) -> tuple[DeploymentResponseGenerator, Delta]:
+        """One engine request and its first delta. A request whose replica died before answering (killed, lost
+        with its node, or its engine loop dead) is started again, on whichever replica Serve routes it to, up to
+        decoder.replica_retries times (under a fresh id: a replica that only looked dead may still hold it)."""
+        attempt = 0
+        while True:
+            gen = self.decoder.generate.remote(prompt, params, per_block, eid if not attempt else f"{eid}~{attempt}",
+                                               constraint)
+            try:
+                return gen, await _first(gen)
+            except Exception as e:  # noqa: BLE001 - sorted by _replica_died
+                if attempt >= self.cfg.decoder.replica_retries or not _replica_died(e):
+                    raise
+                log.warning("replica died before answering request %s; starting it again: %r", eid, e)
+            attempt += 1
+
+    async def _collect(self, rid: str, req: SamplingFields, prompts: list[list[int]], choices: list[Choice],
+                       t0: float) -> tuple[list[Choice], list[str]]:
+        """The whole text of every choice. Nothing reaches the client before it is complete, so when a replica
+        dies mid-way the request is decoded again from the start (the same seeds give the same tokens), up to
+        decoder.replica_retries times."""
+        for attempt in range(self.cfg.decoder.replica_retries + 1):
+            texts = [""] * len(choices)
+            try:
+                async with aclosing(merge([c.pieces(self._sync) for c in choices])) as pieces:
+                    async for p in pieces:
+                        texts[p.index] += p.text
+                break
+            except Exception as e:  # noqa: BLE001 - details stay in the server log
+                if attempt < self.cfg.decoder.replica_retries and _replica_died(e):
+                    log.warning("replica died mid-request %s; decoding it again: %r", rid, e)
+                    choices = await self._start(f"{rid}~{attempt + 1}", req, prompts)
+                    continue
+                log.exception("generation failed")
+                raise unavailable("generation failed; retry the request", self.cfg.decoder.retry_after_s) from e
         self._record(choices, prompts, t0)
-        return texts
+        for c in choices:
+            mark(c.rid, "done", c.sent)
+        return choices, texts
 
     def _stream(self, req: SamplingFields, choices: list[Choice], prompts: list[list[int]], t0: float,
                 chunk: Callable[[Piece], Any], tail: Callable[[Usage | None, MBDStats], Any],

@@ -12,8 +12,11 @@ import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 from mbd.config import ConfigError
+from mbd.plan_check import check_serve
 from serve_app.config import load_serve_config
 
 
@@ -52,30 +55,41 @@ def main(argv: list[str] | None = None) -> int:
     if not (model_dir / "config.json").is_file():
         print(f"mbd serve: model.path {cfg.model.path} is not a model directory (no config.json)", file=sys.stderr)
         return 2
+    try:  # refuse before loading (and before Ray starts) a deployment whose ranks cannot hold it
+        check_serve(cfg.model, cfg.model.tensor_parallel_size, cfg.decode)
+    except ConfigError as e:
+        print(f"mbd serve: {e}", file=sys.stderr)
+        return 2
     if http.host not in {"127.0.0.1", "localhost", "::1"} and not http.api_key:
         print(f"mbd serve: warning: listening on {http.host} without an API key (set MBD_API_KEY)", file=sys.stderr)
 
-    import ray
     from ray import serve
 
+    from pipelines.ray_session import ray_cluster
     from serve_app.app import build_app
 
     signal.signal(signal.SIGTERM, _stop)
-    # "local": a new instance; ray.init() alone would join whatever Ray instance runs on this machine
-    ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "local")
-    try:
+    # a new local cluster unless one is named (never a leftover); on exit every process it started has ended
+    with ray_cluster(args.address), _serving():
         serve.start(http_options={"host": http.host, "port": http.port})
         serve.run(build_app({"serve_config": cfg}), name=args.name, route_prefix=http.route_prefix)
         url = f"http://{http.host}:{http.port}{http.route_prefix.rstrip('/')}/v1"
         print(f"mbd serve: '{cfg.model.name}' at {url} (Ctrl-C to stop)", flush=True)
         while True:
             time.sleep(3600)
+    return 0
+
+
+@contextmanager
+def _serving() -> Iterator[None]:
+    from ray import serve
+
+    try:
+        yield
     except KeyboardInterrupt:
         print("mbd serve: shutting down", file=sys.stderr)
     finally:
         serve.shutdown()
-        ray.shutdown()
-    return 0
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi.responses import StreamingResponse
 
+from actors.trace import mark
 from serve_app.choices import Choice, Piece, Sync, mbd_stats, merge, usage
 from serve_app.protocol import ErrorBody, ErrorResponse, MBDStats, SamplingFields, Usage
 
@@ -32,11 +33,13 @@ def response(events: AsyncIterator[str]) -> StreamingResponse:
 async def events(req: SamplingFields, choices: list[Choice], prompts: list[list[int]], sync: Sync, buffer_size: int,
                  chunk: Callable[[Piece], Any], tail: Callable[[Usage | None, MBDStats], Any],
                  on_done: Callable[[], None], heads: Sequence[Any] = ()) -> AsyncIterator[str]:
-    """The SSE stream: per-choice chunks as text is released, then (stream_options.include_usage) a chunk
-    with no choices and the usage; the MBD statistics ride on the last chunk. A failure mid-way ends every
+    """The SSE stream: per-choice chunks as text is released (each leaves at once; only a choice's finishing
+    chunk waits for the next one, since the last of them carries the MBD statistics), then
+    (stream_options.include_usage) a chunk with no choices and the usage. A failure mid-way ends every
     unfinished choice with finish_reason "error" and an error event (details stay in the server log)."""
     finished: set[int] = set()
     last: Any = None
+    sent: tuple[str, str, int] = ("-", "sent", 0)
     continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
     try:
         for h in heads:
@@ -45,13 +48,18 @@ async def events(req: SamplingFields, choices: list[Choice], prompts: list[list[
             yield event(h)
         async with aclosing(merge([c.pieces(sync) for c in choices])) as pieces:
             async for p in pieces:
-                if p.finish_reason is not None:
-                    finished.add(p.index)
+                ev = chunk(p)
+                if continuous:
+                    ev.usage = usage(prompts, choices, so_far=True)
+                if p.finish_reason is None:  # only a choice's last chunk may have to carry the statistics
+                    yield event(ev)
+                    mark(choices[p.index].rid, "sent", choices[p.index].sent)
+                    continue
+                finished.add(p.index)
                 if last is not None:
                     yield event(last)
-                last = chunk(p)
-                if continuous:
-                    last.usage = usage(prompts, choices, so_far=True)
+                    mark(*sent)
+                last, sent = ev, (choices[p.index].rid, "sent", choices[p.index].sent)
         on_done()
         stats = mbd_stats(choices, buffer_size)
         if req.stream_options is not None and req.stream_options.include_usage:
@@ -61,6 +69,8 @@ async def events(req: SamplingFields, choices: list[Choice], prompts: list[list[
         elif last is not None:
             last.mbd = stats
             yield event(last)
+        if last is not None:
+            mark(*sent)
     except Exception:  # noqa: BLE001 - the status line is sent already: report in-band
         log.exception("generation failed mid-stream")
         if last is not None:

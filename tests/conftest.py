@@ -11,7 +11,7 @@ def pytest_configure(config):
     as a user would with --unsafe-code-exec; the escape tests skip and say why."""
     import os
 
-    from mbd.eval.code_exec import UNSAFE_ENV, isolation_available
+    from mbd.eval.isolation import UNSAFE_ENV, isolation_available
 
     if not isolation_available():
         os.environ[UNSAFE_ENV] = "1"

@@ -39,7 +39,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mbd.eval.code_exec import CallOutput, Opaque, SandboxLimits, decode_value, encode_value, run_calls, run_check
+from mbd.eval.code_exec import CallOutput, SandboxLimits, run_calls, run_check
+from mbd.eval.value_codec import Opaque, decode_value, encode_value
 
 Flavor = Literal["humaneval", "mbpp"]  # EvalPlus's `dataset` names
 

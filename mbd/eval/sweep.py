@@ -151,6 +151,11 @@ class SweepConfig(StrictModel):
     workers: int | None = Field(None, ge=1, description="decoder actors (default: one per GPU, else 1)")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per decoder actor (its torch threads on CPU)")
     cpus_per_scorer: float = Field(1.0, gt=0, description="CPUs per scoring task (code runs in a sandbox)")
+    scorers: int | None = Field(None, ge=1, description="scoring slots reserved beside the decoders (default: the "
+                                                        "CPUs left free, at least one)")
+    reserve_timeout_s: float = Field(120.0, gt=0, description="how long to wait for busy resources to free up for "
+                                                              "the reservation (a cluster that can never hold it "
+                                                              "fails at once)")
 
     @field_validator("benchmarks", mode="before")
     @classmethod
@@ -232,14 +237,17 @@ class DecodedUnit(BaseModel):
     decoded: list[Decoded]
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    node: str | None = Field(None, description="the cluster node that decoded the unit")
 
 
 class PrefixCacheRecord(BaseModel):
-    """The prefix-cache lookups of one decoded unit of a cell, stored beside the cell's records."""
+    """The prefix-cache lookups of one decoded unit of a cell, and the node that decoded it, stored beside the
+    cell's records."""
 
     problem_ids: list[str]
     query_tokens: int
     hit_tokens: int
+    node: str | None = None
 
 
 def make_record(model: str, config: str, benchmark: str, problem: Problem, decoded: Decoded,
@@ -471,6 +479,10 @@ class WorkQueue:
 
     def __len__(self) -> int:
         return sum(map(len, self._groups.values()))
+
+    def requeue(self, unit: Unit) -> None:
+        """Put back a unit whose decoding was lost (its worker died): it is handed out next."""
+        self._groups.setdefault(unit.key, deque()).appendleft(unit)
 
     def pop(self, prefer: tuple[str, str, str] | None = None) -> Unit | None:
         if not self._groups:

@@ -5,10 +5,9 @@ padded with the pad token and batch-padding blocks of group id -1), the shared p
 both streams, and the Group-Aware Dual-Stream Mask built by `mbd.multitf.masks.DualStreamIndex` from the
 per-block group ids (dense boolean for SDPA, or a FlexAttention BlockMask).
 
-Block-diffusion teacher forcing (`tf_row`, for pretraining a BD-LM) needs no mask of its own: every
+Block-diffusion teacher forcing (`rows.tf_row`, for pretraining a BD-LM) needs no mask of its own: every
 response block is its own noise-group (group id = response-block index), and with singleton groups the
 dual-stream mask is exactly the TF mask (a noisy block sees itself and the clean blocks before it).
-`mbd.multitf.layouts` only builds groups of size >= 2, so the TF layout is built here.
 
 On-the-fly rows (`OnTheFlyRows`, `StepSampler`) are a pure function of (seed, step, rank): a restarted
 or resumed run sees exactly the rows it would have seen, and a single-process run with the same global
@@ -19,38 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from pydantic import Field
 
-from mbd.config import StrictModel
-from mbd.multitf.corrupt import corrupt, expand_sequence
-from mbd.multitf.layouts import first_response_block, num_layouts
 from mbd.multitf.masks import DualStreamIndex, dual_stream_position_ids
-from mbd.multitf.rng import Purpose, generator
-from mbd.multitf.schedulers import NoiseScheduler, SchedulerConfig, build_scheduler
+from mbd.multitf.rows import LayoutSection, TokenizedSequence, sequence_rows
+from mbd.multitf.schedulers import build_scheduler
 
-KINDS: tuple[str, ...] = ("systematic", "random", "tf")
-
-
-class LayoutSection(StrictModel):
-    """How on-the-fly rows are built (Parquet rows were built by `mbd expand` with its own settings).
-
-    mode `multitf`: |Lambda| = (Gmax+2)(Gmax-1)/2 + N_rand group-layouts per sequence. mode `tf`:
-    block-diffusion teacher forcing, one layout where every response block is its own noise-group
-    (use scheduler `random_iid` with gamma_rand 1 for the usual independent t ~ U(t_low, t_high) per block).
-    """
-
-    mode: Literal["multitf", "tf"] = "multitf"
-    gmax: int = Field(default=4, ge=2, description="G_max (also sizes the per-slot loss metrics)")
-    n_rand: int = Field(default=0, ge=0)
-    scheduler: SchedulerConfig = SchedulerConfig()
-
-    @property
-    def max_slots(self) -> int:
-        return 1 if self.mode == "tf" else self.gmax
+KINDS: tuple[str, ...] = ("systematic", "random", "tf", "d2f")
 
 
 @dataclass(frozen=True)
@@ -157,32 +134,6 @@ def rows_to_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
 
 # ---------------------------------------------------------------- rows built on the fly
 
-@dataclass(frozen=True)
-class TokenizedSequence:
-    """One clean training sequence: ids padded to a block multiple, prompt and response (incl. EOS) lengths."""
-
-    seq_id: int
-    clean_ids: np.ndarray
-    prompt_len: int
-    response_len: int
-
-
-def tf_row(seq: TokenizedSequence, *, block_size: int, scheduler: NoiseScheduler, mask_token_id: int,
-           seed: int, epoch: int) -> dict[str, Any]:
-    """The block-diffusion TF row of a sequence: each response block is a noise-group of one block."""
-    ids = np.asarray(seq.clean_ids, dtype=np.int32)
-    first = first_response_block(seq.prompt_len, block_size)
-    block_group = np.full(ids.size // block_size, -1, dtype=np.int32)
-    block_group[first:] = np.arange(block_group.size - first)
-    ratio = scheduler.sample(block_group, generator(seed, seq.seq_id, epoch, 0, Purpose.RATIOS)).astype(np.float32)
-    noisy = corrupt(ids, ratio, seq.prompt_len, block_size, mask_token_id,
-                    generator(seed, seq.seq_id, epoch, 0, Purpose.POSITIONS))
-    return {"seq_id": seq.seq_id, "epoch": epoch, "layout_index": 0, "layout_kind": "tf", "g": 1, "h": 0,
-            "noisy_ids": noisy, "clean_ids": ids, "block_group": block_group, "block_ratio": ratio,
-            "prompt_len": seq.prompt_len, "response_len": seq.response_len,
-            "total_len": ids.size}
-
-
 class OnTheFlyRows:
     """Row j of an epoch = (sequence j // |Lambda|, layout j % |Lambda|), built exactly as `mbd expand`
     builds it (same random keys), so on-the-fly and Parquet training see the same rows."""
@@ -197,7 +148,7 @@ class OnTheFlyRows:
         self.mask_token_id = mask_token_id
         self.seed = seed
         self.scheduler = build_scheduler(layouts.scheduler)
-        self.layouts_per_sequence = 1 if layouts.mode == "tf" else num_layouts(layouts.gmax, layouts.n_rand)
+        self.layouts_per_sequence = layouts.layouts_per_sequence
         self._expand = lru_cache(maxsize=512)(self._expand_uncached)
 
     @property
@@ -205,13 +156,8 @@ class OnTheFlyRows:
         return len(self.sequences) * self.layouts_per_sequence
 
     def _expand_uncached(self, seq_index: int, epoch: int) -> list[dict[str, Any]]:
-        s = self.sequences[seq_index]
-        if self.layouts.mode == "tf":
-            return [tf_row(s, block_size=self.block_size, scheduler=self.scheduler,
-                           mask_token_id=self.mask_token_id, seed=self.seed, epoch=epoch)]
-        return expand_sequence(s.clean_ids, s.prompt_len, s.response_len, block_size=self.block_size,
-                               gmax=self.layouts.gmax, n_rand=self.layouts.n_rand, scheduler=self.scheduler,
-                               mask_token_id=self.mask_token_id, seed=self.seed, seq_id=s.seq_id, epoch=epoch)
+        return sequence_rows(self.sequences[seq_index], self.layouts, block_size=self.block_size,
+                             mask_token_id=self.mask_token_id, seed=self.seed, epoch=epoch, scheduler=self.scheduler)
 
     def row(self, epoch: int, j: int) -> dict[str, Any]:
         seq_index, layout = divmod(int(j), self.layouts_per_sequence)

@@ -13,8 +13,9 @@ number of maskable positions, so t_k stays a per-block ratio of B as in the pape
 The ratio is rounded to float32 BEFORE the count is taken, so that floor(B * block_ratio) recomputed
 from a stored row gives the same count.
 
-`expand_sequence` turns one clean sequence into |Lambda| training rows, one per group-layout; its
-randomness is keyed by (seed, seq_id, epoch, layout_index) through `rng.generator`.
+`layout_row` builds the training row of one group-layout and `expand_sequence` all |Lambda| of them; their
+randomness is keyed by (seed, seq_id, epoch, layout_index) through `rng.generator`. Both leave out the
+`recipe` column, which `mbd.multitf.rows` adds (it knows the whole layout section).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mbd.multitf.layouts import build_layout, first_response_block, layout_specs
+from mbd.multitf.layouts import LayoutSpec, build_layout, first_response_block, layout_specs
 from mbd.multitf.rng import Purpose, generator
 from mbd.multitf.schedulers import NoiseScheduler
 
@@ -49,6 +50,8 @@ ROW_SCHEMA: dict[str, RowField] = {
     "response_len": RowField("int32", "", "response tokens including the appended EOS"),
     "total_len": RowField("int32", "", "L: prompt + response + block-alignment pads, all real (attended) "
                                        "tokens; the training targets are prompt_len <= p < total_len"),
+    "recipe": RowField("str", "", "JSON of the layout section and seed that drew the row (`rows.Recipe`): "
+                                  "training redraws its noise from it on every later pass"),
 }
 
 
@@ -80,10 +83,10 @@ def corrupt(clean_ids: np.ndarray, block_ratio: np.ndarray, prompt_len: int, blo
     return np.where(masked, mask_token_id, ids).astype(ids.dtype)
 
 
-def expand_sequence(clean_ids: np.ndarray, prompt_len: int, response_len: int, *, block_size: int,
-                    gmax: int, n_rand: int, scheduler: NoiseScheduler, mask_token_id: int,
-                    seed: int, seq_id: int, epoch: int) -> list[dict[str, Any]]:
-    """All |Lambda| = (Gmax+2)(Gmax-1)/2 + N_rand training rows of one sequence (schema: ROW_SCHEMA)."""
+def layout_row(clean_ids: np.ndarray, prompt_len: int, response_len: int, spec: LayoutSpec, index: int, *,
+               block_size: int, gmax: int, scheduler: NoiseScheduler, mask_token_id: int, seed: int, seq_id: int,
+               epoch: int) -> dict[str, Any]:
+    """The training row of group-layout `index` (= `spec`) of one sequence (ROW_SCHEMA less `recipe`)."""
     ids = np.asarray(clean_ids, dtype=np.int32)
     total = prompt_len + response_len
     if ids.size % block_size:
@@ -91,18 +94,23 @@ def expand_sequence(clean_ids: np.ndarray, prompt_len: int, response_len: int, *
     if response_len < 1 or prompt_len < 0 or total > ids.size:
         raise ValueError(f"need response_len >= 1, prompt_len >= 0, prompt_len + response_len <= {ids.size}; "
                          f"got prompt_len={prompt_len}, response_len={response_len}")
-    num_blocks = ids.size // block_size
+    key = (seed, seq_id, epoch, index)
     first = first_response_block(prompt_len, block_size)
-    rows = []
-    for index, spec in enumerate(layout_specs(gmax, n_rand)):
-        key = (seed, seq_id, epoch, index)
-        block_group = build_layout(spec, num_blocks, first, gmax, generator(*key, Purpose.LAYOUT))
-        ratio = scheduler.sample(block_group, generator(*key, Purpose.RATIOS)).astype(np.float32)
-        noisy = corrupt(ids, ratio, prompt_len, block_size, mask_token_id, generator(*key, Purpose.POSITIONS))
-        rows.append({
-            "seq_id": seq_id, "epoch": epoch, "layout_index": index, "layout_kind": spec.kind,
-            "g": spec.g, "h": spec.h, "noisy_ids": noisy, "clean_ids": ids,
-            "block_group": block_group, "block_ratio": ratio,
-            "prompt_len": prompt_len, "response_len": response_len, "total_len": ids.size,
-        })
-    return rows
+    block_group = build_layout(spec, ids.size // block_size, first, gmax, generator(*key, Purpose.LAYOUT))
+    ratio = scheduler.sample(block_group, generator(*key, Purpose.RATIOS)).astype(np.float32)
+    noisy = corrupt(ids, ratio, prompt_len, block_size, mask_token_id, generator(*key, Purpose.POSITIONS))
+    return {
+        "seq_id": seq_id, "epoch": epoch, "layout_index": index, "layout_kind": spec.kind,
+        "g": spec.g, "h": spec.h, "noisy_ids": noisy, "clean_ids": ids,
+        "block_group": block_group, "block_ratio": ratio,
+        "prompt_len": prompt_len, "response_len": response_len, "total_len": ids.size,
+    }
+
+
+def expand_sequence(clean_ids: np.ndarray, prompt_len: int, response_len: int, *, block_size: int,
+                    gmax: int, n_rand: int, scheduler: NoiseScheduler, mask_token_id: int,
+                    seed: int, seq_id: int, epoch: int) -> list[dict[str, Any]]:
+    """All |Lambda| = (Gmax+2)(Gmax-1)/2 + N_rand training rows of one sequence (ROW_SCHEMA less `recipe`)."""
+    return [layout_row(clean_ids, prompt_len, response_len, spec, index, block_size=block_size, gmax=gmax,
+                       scheduler=scheduler, mask_token_id=mask_token_id, seed=seed, seq_id=seq_id, epoch=epoch)
+            for index, spec in enumerate(layout_specs(gmax, n_rand))]

@@ -24,6 +24,13 @@ i-th block of the group. Definitions (t_low <= t_high in [0, 1]):
   t = t_low + (t_high - t_low) u^gamma_rand; no order inside the group, gamma_rand > 1 biases it towards
   t_low.
 - sorted_uniform (alg:sorted_uniform_scheduler): u_1..u_n iid U(t_low, t_high), sorted ascending.
+- explicit_slots (the authors' MBD-DMax run: `explicit_block{1,2}_noise_{min,max}` of their OPUT training
+  config, `explicit_buffer_block_noise_ranges` of mbd-lms `multi_bd_sft_noise_transition`): slot i of every
+  group draws t ~ U(lo_i, hi_i) from its own fixed range, independently of the other slots; no t_eff margin.
+  A group with more slots than ranges is an error (the authors raise too).
+- linear (the ramp of the authors' `noise_schedule_mode: d2f`, `buffer_internal_ramp: linear`): deterministic,
+  slot i of a group of n blocks gets t_low + (t_eff - t_low) i / (n - 1); a one-block group draws
+  t ~ U(t_low, t_eff). Used by the `d2f` layout mode (`mbd.multitf.rows`), one group over the whole sequence.
 
 All of them are vectorised over groups (a loop over slots, not over blocks) because the expansion
 job calls them |Lambda| times per sequence.
@@ -36,7 +43,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SchedulerName = Literal["chain_uniform", "d2f", "random", "random_iid", "sorted_uniform"]
+SchedulerName = Literal["chain_uniform", "d2f", "random", "random_iid", "sorted_uniform", "explicit_slots", "linear"]
 
 
 class SchedulerConfig(BaseModel):
@@ -44,7 +51,8 @@ class SchedulerConfig(BaseModel):
 
     rho is the paper's noise_transition_margin_ratio (its value, rho_cfg, is not reported; 0.01 is the
     authors' `noise_transition_margin_ratio` in every mbd-lms training config). gamma_rand is used only by
-    the `random` (default 2, the authors' noise_transition_gamma) and `random_iid` schedulers.
+    the `random` (default 2, the authors' noise_transition_gamma) and `random_iid` schedulers. slot_ranges
+    (one [lo, hi] per slot) is used only, and required, by `explicit_slots`.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -54,12 +62,24 @@ class SchedulerConfig(BaseModel):
     t_high: float = Field(default=1.0, ge=0.0, le=1.0)
     rho: float = Field(default=0.01, ge=0.0, le=1.0)
     gamma_rand: float = Field(default=2.0, gt=0.0)
+    slot_ranges: list[tuple[float, float]] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _check(self) -> "SchedulerConfig":
         if self.t_low > self.t_high:
             raise ValueError(f"t_low={self.t_low} must be <= t_high={self.t_high}")
+        if (self.name == "explicit_slots") != bool(self.slot_ranges):
+            raise ValueError("slot_ranges: set it (one [lo, hi] per slot) exactly when name is explicit_slots")
+        for i, (lo, hi) in enumerate(self.slot_ranges):
+            if not 0.0 <= lo <= hi <= 1.0:
+                raise ValueError(f"slot_ranges[{i}]=[{lo}, {hi}] must satisfy 0 <= lo <= hi <= 1")
         return self
+
+    def check_group_size(self, gmax: int) -> None:
+        """explicit_slots needs a range for every slot of the largest noise-group."""
+        if self.name == "explicit_slots" and gmax > len(self.slot_ranges):
+            raise ValueError(f"scheduler.slot_ranges has {len(self.slot_ranges)} ranges but noise-groups have up to "
+                             f"gmax={gmax} slots: give one [lo, hi] per slot")
 
     @property
     def t_eff(self) -> float:
@@ -151,12 +171,33 @@ class SortedUniform(NoiseScheduler):
         return u[np.lexsort((u, gid))]
 
 
+class ExplicitSlots(NoiseScheduler):
+    def sample_groups(self, gid: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        _, _, slot = _slots(gid)
+        ranges = np.asarray(self.cfg.slot_ranges, dtype=np.float64)
+        if slot.max() >= len(ranges):
+            raise ValueError(f"a noise-group has {slot.max() + 1} blocks but slot_ranges gives {len(ranges)} ranges")
+        lo, hi = ranges[slot, 0], ranges[slot, 1]
+        return lo + (hi - lo) * rng.random(gid.size)
+
+
+class LinearRamp(NoiseScheduler):
+    def sample_groups(self, gid: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        t_low, t_eff = self.cfg.t_low, self.cfg.t_eff
+        sizes, _, slot = _slots(gid)
+        n = sizes[gid]
+        single = rng.uniform(t_low, t_eff, size=sizes.size)[gid]
+        return np.where(n > 1, t_low + (t_eff - t_low) * slot / np.maximum(n - 1, 1), single)
+
+
 _SCHEDULERS: dict[str, type[NoiseScheduler]] = {
     "chain_uniform": ChainUniform,
     "d2f": D2FMonotonic,
     "random": RandomPowerLawChain,
     "random_iid": RandomIID,
     "sorted_uniform": SortedUniform,
+    "explicit_slots": ExplicitSlots,
+    "linear": LinearRamp,
 }
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from mbd.config import ConfigError, read_json, resolve_path
 from mbd.multitf.layouts import num_layouts
-from pipelines.quickstart import (DEFAULT_CONFIG, MBD, MBD_AS_SINGLEBD, MULTIBD_TF, SINGLEBD, QuickstartSummary,
-                                  load_config, main)
+from pipelines.quickstart import MBD, MBD_AS_SINGLEBD, QuickstartSummary, main
+from pipelines.stages import DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, load_config
 
 STEPS, PROBLEMS, CORPUS = 2, 6, 24
 EXTRA_ARGS: list[str] = []  # e.g. ["--base-model", DIR] to try the test against another checkpoint

@@ -1,19 +1,52 @@
-"""Shared fixtures for Ray integration tests: one small local Ray cluster per test session, and the tiny random
-serving checkpoint with its directly-called reference engine (the Serve app tests compare against it)."""
+"""Shared fixtures for Ray integration tests: one small local Ray cluster per test session, multi-node clusters
+for the tests that need them, and the tiny random serving checkpoint with its directly-called reference engine
+(the Serve app tests compare against it).
+
+A process is the driver of one Ray cluster at a time. The session's cluster therefore runs as processes of its own
+(not started by `ray.init`), so that a multi-node test can disconnect the driver from it, use its own cluster, and
+reconnect the driver afterwards without restarting it."""
 
 import pytest
+
+from tests.integration.multinode import LocalCluster
 
 
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
 
-    from pipelines.ray_session import dashboard_port
-
-    # dashboard_port: see pipelines/ray_session.py (another cluster's dashboard must not answer our State API)
-    ray.init(num_cpus=2, object_store_memory=300 * 1024**2, include_dashboard=False, dashboard_port=dashboard_port())
+    cluster = LocalCluster(head_cpus=2, object_store_mb=300).start()
+    cluster.connect()
     yield ray
-    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture
+def multinode():
+    """multinode(workers=(1, 1), head_cpus=1, ...) -> a started LocalCluster with a worker node per entry of
+    `workers` (its logical CPUs), this process its driver. The driver's previous cluster is reconnected after the
+    test, and every process of the multi-node cluster ended."""
+    import ray
+
+    previous = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    started: list[LocalCluster] = []
+
+    def start(workers=(1, 1), head_cpus: float = 1, **kwargs) -> LocalCluster:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster = LocalCluster(head_cpus=head_cpus, **kwargs)
+        started.append(cluster)
+        cluster.start()
+        for cpus in workers:
+            cluster.add_node(num_cpus=cpus)
+        cluster.connect()
+        return cluster
+
+    yield start
+    for cluster in started:
+        cluster.shutdown()
+    if previous is not None and not ray.is_initialized():
+        ray.init(address=previous)
 
 
 SERVE_SLOTS = 8  # batch slots of the served decoder and of the reference engine

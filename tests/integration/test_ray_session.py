@@ -1,9 +1,25 @@
-"""`ray_session`: Ray's driver-side logging and cluster messages go to <log_dir>/ray.log, not the console, and
-everything is put back afterwards; a cluster it did not start is left running."""
+"""`ray_session` / `ray_cluster`: Ray's driver-side logging and cluster messages go to <log_dir>/ray.log, not the
+console, and everything is put back afterwards; a cluster it did not start is left running; a command never joins
+a leftover cluster that Ray's `ray_current_cluster` record names; SIGTERM leaves no process of its cluster behind."""
 
+import inspect
 import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
+import psutil
+
+from actors.tp_worker import free_port
+from pipelines.process_tree import end_processes, still_running
+from pipelines.ray_private import HOOK, HOOK_PARAMS
 from pipelines.ray_session import RAY_LOG, ray_session
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_ray_output_goes_to_the_log_file_and_is_restored(ray_cluster, tmp_path, capfd):
@@ -12,11 +28,12 @@ def test_ray_output_goes_to_the_log_file_and_is_restored(ray_cluster, tmp_path, 
 
     serve_before = list(logging.getLogger("ray.serve").handlers)
     ray_before = list(logging.getLogger("ray").handlers)
-    printer = worker.print_to_stdstream
+    printer = getattr(worker, HOOK)
     with ray_session(tmp_path) as started:
         logging.getLogger("ray.serve").info("serve line 1")  # Ray Serve's logger has a console handler of its own
         logging.getLogger("ray.data").warning("data line 2")
-        worker.print_to_stdstream({"lines": ["raylet line 3"], "pid": "raylet", "is_err": False}, False)
+        # what the driver's listener thread does with a message from the cluster
+        getattr(worker, HOOK)({"lines": ["raylet line 3"], "pid": "raylet", "is_err": False}, False)
     out, err = capfd.readouterr()
     assert started is False and ray_cluster.is_initialized()
     assert "Ray's log: " + str(tmp_path / RAY_LOG) in out
@@ -25,13 +42,86 @@ def test_ray_output_goes_to_the_log_file_and_is_restored(ray_cluster, tmp_path, 
     logged = (tmp_path / RAY_LOG).read_text()
     assert "serve line 1" in logged and "data line 2" in logged and "(raylet) raylet line 3" in logged
     assert logging.getLogger("ray.serve").handlers == serve_before and logging.getLogger("ray").handlers == ray_before
-    assert worker.print_to_stdstream is printer
+    assert getattr(worker, HOOK) is printer
+
+
+def test_ray_private_hook_is_where_the_adapter_expects_it():
+    """pipelines/ray_private.py's one private hook: a Ray upgrade that renames it, changes its parameters or
+    stops printing the cluster's messages through it fails here, loudly."""
+    from ray._private import worker
+
+    assert list(inspect.signature(getattr(worker, HOOK)).parameters) == HOOK_PARAMS
+    assert f"{HOOK}(" in inspect.getsource(worker.listen_error_messages)
 
 
 def test_dashboard_port_never_takes_a_port_ray_reserves(monkeypatch):
     """Ray refuses to start when the dashboard's port is its agent's default (52365): skip Ray's fixed ports."""
-    from pipelines import ray_session
+    from pipelines import ray_session as module
 
     ports = iter([52365, 8265, 6379, 40123])
-    monkeypatch.setattr(ray_session, "free_port", lambda: next(ports))
-    assert ray_session.dashboard_port() == 40123
+    monkeypatch.setattr(module, "free_port", lambda: next(ports))
+    assert module.dashboard_port() == 40123
+
+
+def _cmd(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return {**env, "PYTHONPATH": str(ROOT), **extra}
+
+
+SESSION = """
+import sys, ray
+from pathlib import Path
+from pipelines.ray_session import ray_session
+with ray_session(Path(sys.argv[1]), num_cpus=1) as started:
+    print("STARTED", started, ray.get_runtime_context().gcs_address, flush=True)
+"""
+
+
+def test_a_leftover_cluster_record_is_never_joined(ray_cluster, tmp_path):
+    """Ray's record of the last cluster names a live cluster that is not ours (as after a head that died
+    uncleanly, or another user's): a command starts its own cluster instead of joining it, which Ray refuses
+    anyway when num_cpus is given ("When connecting to an existing cluster, num_cpus ... must not be provided")."""
+    leftover = ray_cluster.get_runtime_context().gcs_address
+    ray_tmp = Path(tempfile.mkdtemp(prefix="mbd-rt-"))  # short: Ray's socket paths live below it
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(leftover)
+    out = subprocess.run([sys.executable, "-c", SESSION, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         env=_env(RAY_TMPDIR=str(ray_tmp)), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    started, address = out.stdout.split("STARTED ")[1].split()[:2]
+    assert started == "True" and address != leftover
+
+
+def test_sigterm_to_mbd_serve_leaves_no_process_behind(ckpt, tmp_path):
+    """`mbd serve` on a local cluster of its own, stopped with SIGTERM: every process it started (Ray's agents
+    included) has ended when it has."""
+    cmd = [sys.executable, "-m", "pipelines.cli", "serve", "--config", str(ROOT / "configs/serve/tiny.yaml"),
+           "--model-path", str(ckpt), "--port", str(free_port())]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    started: dict[int, psutil.Process] = {}
+    try:
+        for line in proc.stdout:
+            if "Ctrl-C to stop" in line:
+                break
+        else:
+            raise AssertionError(f"mbd serve exited with {proc.wait()} before serving")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any("DashboardAgent" in _cmd(p) for p in started.values()):
+            started.update((p.pid, p) for p in psutil.Process(proc.pid).children(recursive=True))
+            time.sleep(1)
+        names = " ".join(_cmd(p) for p in started.values())
+        assert "raylet" in names and "DashboardAgent" in names and "RuntimeEnvAgent" in names
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=180)
+        time.sleep(2)
+        assert [_cmd(p)[:80] for p in still_running(list(started.values()))] == []
+    finally:
+        proc.kill()
+        end_processes(list(started.values()))

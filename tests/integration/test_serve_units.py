@@ -91,7 +91,7 @@ def test_field_path(loc, want):
 async def _collect(host: EngineHost, ids: list[int], params: DecodeConfig, n: int | None = None,
                    constraint=None) -> list:
     out = []
-    async with aclosing(host.generate(ids, params, constraint)) as gen:
+    async with aclosing(host.generate(ids, params, constraint=constraint)) as gen:
         async for d in gen:
             out.append(d)
             if n is not None and len(out) == n:

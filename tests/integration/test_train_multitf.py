@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from mbd.model import load_checkpoint
-from mbd.multitf.corrupt import expand_sequence
 from mbd.multitf.objectives import compute_objective
-from mbd.multitf.schedulers import SchedulerConfig, build_scheduler
+from mbd.multitf.rows import LayoutSection, sequence_rows
+from mbd.tiny.vocab import special_token_ids
 from pipelines.expand_layouts import rows_to_table
 from pipelines.train_multitf import run_train, tokenize_corpus
 from tests.integration.train_helpers import (make_model_and_corpus, probe_batch, reference_run, step_losses,
@@ -61,10 +61,10 @@ def test_parquet_rows_stream_through_ray_data(ray_cluster, tiny):
     cfg = train_config("parquet", root / "runs", model_dir, corpus, objective={"name": "sdar_weighted_ce"},
                        steps=3, checkpoint_every=3)
     seqs, _ = tokenize_corpus(str(corpus), str(model_dir), 4, 64)
-    scheduler = build_scheduler(SchedulerConfig())
-    rows = [r for s in seqs[:8] for r in expand_sequence(s.clean_ids, s.prompt_len, s.response_len, block_size=4,
-                                                         gmax=3, n_rand=1, scheduler=scheduler,
-                                                         mask_token_id=3, seed=0, seq_id=s.seq_id, epoch=0)]
+    layouts = LayoutSection(gmax=3, n_rand=1)
+    mask = special_token_ids()["mask_token_id"]
+    # 2 sequences x 8 layouts = 8 rows per worker: step 3 starts the second pass, whose noise is redrawn
+    rows = [r for s in seqs[:2] for r in sequence_rows(s, layouts, block_size=4, mask_token_id=mask, seed=0, epoch=0)]
     shards = root / "rows"
     shards.mkdir()
     table = rows_to_table(rows)

@@ -11,20 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mbd.eval import code_exec
-from mbd.eval.code_exec import (
-    UNSAFE_ENV,
-    CallOutput,
-    IsolationUnavailable,
-    Opaque,
-    SandboxLimits,
-    ValueTooLarge,
-    decode_value,
-    encode_value,
-    network_namespace_prefix,
-    run_calls,
-    run_program,
-)
+from mbd.eval import isolation
+from mbd.eval.code_exec import CallOutput, SandboxLimits, run_calls, run_program
+from mbd.eval.isolation import UNSAFE_ENV, IsolationUnavailable, network_namespace_prefix
+from mbd.eval.value_codec import Opaque, ValueTooLarge, decode_value, encode_value
 
 
 def _children(pid: int) -> list[int]:
@@ -180,7 +170,7 @@ def _runs_candidate(pid: int) -> bool:
     try:
         return b"time.sleep" not in Path(f"/proc/{pid}/cmdline").read_bytes() and \
             Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith((b"python", b"python3", b"python3.11")) \
-            and b"code_exec.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            and b"sandbox_child.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
@@ -259,12 +249,12 @@ def test_codec_marks_unknown_objects_opaque_and_enforces_the_budget():
 
 
 def test_without_isolation_code_runs_only_on_explicit_opt_out(monkeypatch):
-    monkeypatch.setattr(code_exec, "_bwrap_works", lambda: False)
+    monkeypatch.setattr(isolation, "_bwrap_works", lambda: False)
     monkeypatch.delenv(UNSAFE_ENV, raising=False)
     with pytest.raises(IsolationUnavailable, match="--unsafe-code-exec"):
         run_program("print(1)")
     monkeypatch.setenv(UNSAFE_ENV, "1")
     with pytest.warns(RuntimeWarning, match="WITHOUT kernel isolation"):
-        code_exec._warn_unsafe.cache_clear()
+        isolation._warn_unsafe.cache_clear()
         r = run_program("print(1)")
     assert r.status == "passed" and r.stdout.strip() == "1"

@@ -48,7 +48,7 @@ def test_expand_sequence_emits_one_row_per_layout(k_total, prompt_blocks, gmax, 
                            scheduler=build_scheduler(SchedulerConfig()), mask_token_id=1, seed=0, seq_id=3, epoch=0)
     assert len(rows) == (gmax + 2) * (gmax - 1) // 2 + n_rand
     assert [r["layout_index"] for r in rows] == list(range(len(rows)))
-    assert all(set(r) == set(ROW_SCHEMA) for r in rows)
+    assert all(set(r) == set(ROW_SCHEMA) - {"recipe"} for r in rows)  # `rows.sequence_rows` adds the recipe
 
 
 @pytest.mark.parametrize("k_resp", list(range(1, 14)))
@@ -164,7 +164,7 @@ def test_trailing_block_pads_are_maskable_targets():
 def test_rows_are_reproducible_and_epoch_changes_noise():
     a, b, c = _rows(), _rows(), _rows(epoch=1)
     for x, y in zip(a, b):
-        for key in ROW_SCHEMA:
+        for key in set(ROW_SCHEMA) - {"recipe"}:
             assert np.array_equal(x[key], y[key]), key
     assert any(not np.array_equal(x["noisy_ids"], z["noisy_ids"]) for x, z in zip(a, c))
     assert all(np.array_equal(x["clean_ids"], z["clean_ids"]) for x, z in zip(a, c))

@@ -9,14 +9,13 @@ import torch
 
 from mbd.config import ConfigError
 from mbd.model import build_model
-from mbd.multitf.batching import (KINDS, OnTheFlyRows, StepSampler, TokenizedSequence, block_slots, collate,
-                                  rows_to_columns, tf_row)
+from mbd.multitf.batching import KINDS, OnTheFlyRows, StepSampler, block_slots, collate, rows_to_columns
 from mbd.multitf.corrupt import expand_sequence
 from mbd.multitf.masks import dense_reference
 from mbd.multitf.objectives import (compute_objective, loss_stats, multitf_ce, oput_self_denoise_ids,
                                     sdar_weighted_ce, stats_metrics, stats_size)
 from mbd.multitf.schedulers import SchedulerConfig, build_scheduler
-from mbd.multitf.batching import LayoutSection
+from mbd.multitf.rows import LayoutSection, TokenizedSequence, tf_row
 from mbd.multitf.objectives import ObjectiveSection
 from mbd.train_config import DeepSpeedSection, load_train_config
 from tests.conftest import tiny_cfg

@@ -1,12 +1,14 @@
-"""The report module's method rows, paired comparisons and claim verdicts, on hand-built per-problem records."""
+"""Method rows (mbd.eval.report), paired comparisons and claim verdicts (mbd.eval.claims), on hand-built per-problem
+records."""
 
 import math
 
 import numpy as np
 import pytest
 
-from mbd.eval.report import (CellMetrics, Curve, Method, comparison_line, interval_verdict, judge_active, judge_aup,
-                             judge_main, load_curve, method_rows, method_table)
+from mbd.eval.claims import (Curve, comparison_line, interval_verdict, judge_active, judge_aup, judge_main,
+                             load_curve)
+from mbd.eval.report import CellMetrics, Method, method_rows, method_table
 from mbd.eval.sweep import ItemRecord, ResultStore
 
 N = 1000

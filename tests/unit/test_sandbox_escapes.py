@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mbd.eval.code_exec import SandboxLimits, isolation_available, run_calls, run_check, run_program
+from mbd.eval.code_exec import SandboxLimits, run_calls, run_check, run_program
+from mbd.eval.isolation import isolation_available
 
 pytestmark = pytest.mark.skipif(not isolation_available(), reason="bubblewrap / user namespaces unavailable here")
 
@@ -87,7 +88,7 @@ def _sandbox_processes() -> list[int]:
     out = []
     for d in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if b"/opt/mbd-sandbox/code_exec.py" in Path(f"/proc/{d}/cmdline").read_bytes():
+            if b"/opt/mbd-sandbox/sandbox_child.py" in Path(f"/proc/{d}/cmdline").read_bytes():
                 out.append(int(d))
         except OSError:
             pass

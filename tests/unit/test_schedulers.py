@@ -161,3 +161,57 @@ def test_defaults_are_the_authors():
     cfg = SchedulerConfig()
     assert (cfg.rho, cfg.gamma_rand) == (0.01, 2.0)
     assert cfg.t_eff == pytest.approx(1.0 - 0.01 * (1.0 - 0.001))
+
+
+# ---------------------------------------------------------------- the authors' DMax slots and D2F ramp
+
+DMAX_SLOTS = [(0.001, 0.2), (0.8, 1.0)]  # explicit_block{1,2}_noise_{min,max} of the authors' DMax OPUT configs
+
+
+def authors_explicit_slots(layout: np.ndarray, ranges, rng: np.random.Generator) -> np.ndarray:
+    """Reference: mbd-lms `multi_bd_sft_noise_transition` with explicit ranges, one uniform per block in order,
+    slot i of each buffer drawn from ranges[i] (here with numpy uniforms in block order)."""
+    out = np.zeros(layout.size)
+    for blocks in group_slices(layout):
+        for slot, k in enumerate(blocks):
+            lo, hi = ranges[slot]
+            out[k] = lo + (hi - lo) * rng.random()
+    return out
+
+
+def test_explicit_slots_equal_the_authors_per_slot_ranges():
+    layout = np.array([-1, -1, 0, 0, 1, 1, 2])  # groups of 2, 2 and a clipped last group of 1
+    sched = build_scheduler(SchedulerConfig(name="explicit_slots", slot_ranges=DMAX_SLOTS))
+    for seed in range(20):
+        got = sched.sample(layout, np.random.default_rng(seed))
+        assert np.allclose(got, authors_explicit_slots(layout, DMAX_SLOTS, np.random.default_rng(seed)))
+    t = draws("explicit_slots", layout=layout, n=4000, slot_ranges=DMAX_SLOTS)
+    first, second = t[:, [2, 4, 6]], t[:, [3, 5]]
+    assert (first >= 0.001).all() and (first <= 0.2).all() and (second >= 0.8).all() and (second <= 1.0).all()
+    assert within_sigma(first, 0.1005) and within_sigma(second, 0.9)  # no t_eff margin: slot 2 reaches 1.0
+    with pytest.raises(ValueError, match="slot_ranges gives 2"):
+        sched.sample(np.array([0, 0, 0]), np.random.default_rng(0))
+
+
+def test_explicit_slots_config_names_the_field():
+    with pytest.raises(ValidationError, match="slot_ranges"):
+        SchedulerConfig(name="explicit_slots")
+    with pytest.raises(ValidationError, match="slot_ranges"):
+        SchedulerConfig(slot_ranges=DMAX_SLOTS)  # ranges given to another scheduler
+    with pytest.raises(ValidationError, match=r"slot_ranges\[1\]"):
+        SchedulerConfig(name="explicit_slots", slot_ranges=[(0.1, 0.2), (0.9, 0.8)])
+    from mbd.multitf.rows import LayoutSection
+
+    with pytest.raises(ValidationError, match="gmax=3"):
+        LayoutSection(gmax=3, scheduler=SchedulerConfig(name="explicit_slots", slot_ranges=DMAX_SLOTS))
+
+
+def test_linear_ramp_is_the_authors_deterministic_ramp():
+    """Reference: the authors' `buffer_internal_ramp: linear`, low + (t_eff - low) * linspace(0, 1, n), with
+    t_eff = 1.0 - 0.01 * (1.0 - 0.001) = 0.99001 for their (0.001, 1.0, rho 0.01)."""
+    sched = build_scheduler(SchedulerConfig(name="linear", t_low=0.001, t_high=1.0, rho=0.01))
+    got = sched.sample(np.array([-1, 0, 0, 0, 0, 1, 1]), np.random.default_rng(0))
+    step = (0.99001 - 0.001) / 3
+    assert np.allclose(got, [0.0, 0.001, 0.001 + step, 0.001 + 2 * step, 0.99001, 0.001, 0.99001])
+    single = draws("linear", layout=np.array([0]), n=2000)[:, 0]  # one block: t ~ U(t_low, t_eff)
+    assert single.min() >= 0.001 and single.max() <= 0.99001 and within_sigma(single, (0.001 + 0.99001) / 2)

@@ -1,0 +1,240 @@
+"""The stages `mbd quickstart` and `mbd reproduce` share, on the embedded tiny model: their config
+(configs/quickstart.yaml), stage banners, the tinymath corpus, Ray Data expansion, Ray Train post-training and
+the evaluation sweep's config and read-back.
+
+Each stage calls a project job (`run_expand`, `run_train`) or builds the config of one (`sweep_config` for
+`run_sweep`) and adds no algorithm of its own. A method is a tuple (label, key, decode YAML, model name): one
+AUP curve, whose points are `eval.curve` (plus `eval.multibd_curve` under MultiBD) applied to the decode YAML.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from pydantic import Field, model_validator
+
+from mbd.config import REPO_ROOT, DecodeConfig, StrictModel, load_yaml, resolve_path, validate
+from mbd.eval.claims import Curve, load_curve
+from mbd.eval.report import CellMetrics, Method, MethodRow, method_rows
+from mbd.eval.sweep import ResultStore
+from mbd.multitf.schedulers import SchedulerConfig
+
+__all__ = ["DEFAULT_CONFIG", "BENCHMARK", "SINGLEBD", "MULTIBD_TF", "MethodSpec", "QuickstartConfig", "ExpandSection",
+           "load_config", "Stages", "write_corpus", "expand_stage", "train_config", "train_stage", "point_name",
+           "sweep_config", "as_methods", "rows_of", "curves_of", "section_title"]
+
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
+BENCHMARK = "tinymath"
+SINGLEBD, MULTIBD_TF = "SingleBD (Native)", "MultiBD (training-free)"
+MethodSpec = tuple[str, str, str, str]  # (label, key, decode YAML, model name)
+
+
+# ---------------------------------------------------------------- configuration
+
+class CorpusSection(StrictModel):
+    problems: int = Field(default=2000, gt=0, description="tinymath train-split problems expanded and trained on")
+
+
+class ExpandSection(StrictModel):
+    gmax: int = Field(default=4, ge=2)
+    n_rand: int = Field(default=2, ge=0)
+    scheduler: SchedulerConfig = SchedulerConfig()
+    max_length: int = Field(default=128, gt=0, description="padded prompt + response tokens")
+    sequences_per_task: int = Field(default=250, gt=0)
+
+
+class TrainSection(StrictModel):
+    steps: int = Field(default=800, gt=0)
+    num_workers: int = Field(default=2, ge=1)
+    cpus_per_worker: float = Field(default=0.5, gt=0)
+    zero_stage: int = Field(default=2, ge=2, le=3)
+    micro_batch_size: int = Field(default=16, ge=1)
+    grad_accum: int = Field(default=1, ge=1)
+    lr: float = Field(default=1e-3, gt=0)
+    warmup_steps: int = Field(default=20, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    grad_clip: float = Field(default=1.0, ge=0)
+
+
+class EvalSection(StrictModel):
+    problems: int = Field(default=1000, gt=0, description="first N problems of the held-out split")
+    singlebd: str = "configs/decode/tiny_singlebd.yaml"
+    multibd: str = "configs/decode/tiny_multibd.yaml"
+    curve: list[dict[str, Any]] = Field(default=[{}, {"tau_m2t": 0.7}, {"tau_m2t": 0.5}], min_length=1,
+                                        description="decode overrides of every method; point 0 is the operating "
+                                                    "point")
+    multibd_curve: list[dict[str, Any]] = Field(
+        default=[{"tau_add": 0.25}, {"buffer_size": 2}],
+        description="further points of MultiBD methods only (buffer_size / tau_add do nothing under SingleBD)")
+    batch_size: int = Field(default=16, ge=1)
+    trace_problems: int = Field(default=32, ge=0)
+
+    def overrides(self, path: str) -> list[dict[str, Any]]:
+        """The curve of the method decoding with `path`: `curve`, plus `multibd_curve` when it is MultiBD."""
+        base = load_yaml(resolve_path(path), DecodeConfig)
+        return self.curve + (self.multibd_curve if base.buffer_size > 1 else [])
+
+    def points(self, path: str) -> list[DecodeConfig]:
+        """The curve's DecodeConfigs for one decode YAML (fails naming the bad override)."""
+        base = load_yaml(resolve_path(path), DecodeConfig)
+        return [validate(DecodeConfig, {**base.model_dump(), **o}, f"eval curve point {i} ({o}) on {path}")
+                for i, o in enumerate(self.overrides(path))]
+
+
+class ServeSection(StrictModel):
+    enabled: bool = True
+    config: str = "configs/serve/tiny.yaml"
+    port: int = Field(default=0, ge=0, le=65535, description="0: pick a free port")
+    prompt: str | None = Field(default=None, description="None: the first held-out problem")
+    max_tokens: int = Field(default=96, gt=0)
+
+
+class QuickstartConfig(StrictModel):
+    run_dir: str = "runs/quickstart"
+    base_model: str = "mbd/assets/tiny"
+    num_cpus: int = Field(default=2, ge=1)
+    seed: int = Field(default=0, ge=0)
+    corpus: CorpusSection = CorpusSection()
+    expand: ExpandSection = ExpandSection()
+    train: TrainSection = TrainSection()
+    eval: EvalSection = EvalSection()
+    serve: ServeSection = ServeSection()
+
+    @model_validator(mode="after")
+    def _check(self) -> "QuickstartConfig":
+        from mbd.eval.benchmarks import get_benchmark
+        from mbd.tiny.task import split_size
+
+        if self.corpus.problems > split_size("train"):
+            raise ValueError(f"corpus.problems={self.corpus.problems}: the train split holds {split_size('train')}")
+        held = len(get_benchmark(BENCHMARK).load(limit=self.eval.problems))
+        if held < self.eval.problems:
+            raise ValueError(f"eval.problems={self.eval.problems}: the {BENCHMARK} benchmark holds {held}")
+        for path in (self.eval.singlebd, self.eval.multibd):
+            self.eval.points(path)  # a bad decode file or override fails before any stage runs
+        return self
+
+
+def load_config(path: str | Path, sets: Sequence[str] = ()) -> QuickstartConfig:
+    """The YAML with `--set key.sub=value` items applied (the CLI's shorthand flags are sets too)."""
+    return load_yaml(path, QuickstartConfig, sets=sets)
+
+
+
+# ---------------------------------------------------------------- stages
+
+class Stages:
+    """Numbered stage banners and a wall-time line per stage."""
+
+    def __init__(self, names: Sequence[str]):
+        self.names, self.wall_s = list(names), {}
+
+    @contextmanager
+    def run(self, name: str, what: str) -> Iterator[None]:
+        i, n = self.names.index(name) + 1, len(self.names)
+        print(f"\n==> [{i}/{n}] {name}: {what}", flush=True)
+        t0 = time.perf_counter()
+        yield
+        self.wall_s[name] = round(time.perf_counter() - t0, 1)
+        print(f"==> [{i}/{n}] {name}: done, wall time {self.wall_s[name]:.1f} s", flush=True)
+
+
+def write_corpus(path: Path, problems: int, seed: int) -> Path:
+    from mbd.tiny.task import generate, write_jsonl
+
+    return write_jsonl(path, generate("train", problems, seed))
+
+
+def expand_stage(cfg: QuickstartConfig, corpus: Path, out: Path, base: Path, expand: ExpandSection | None = None):
+    """Ray Data expansion of `corpus` into `out`/rows with `expand` (default: cfg.expand)."""
+    from pipelines.expand_layouts import ExpandConfig, run_expand
+
+    e = expand or cfg.expand
+    summary = run_expand(ExpandConfig(
+        inputs=[str(corpus)], output_dir=str(out), model_dir=str(base), max_length=e.max_length, gmax=e.gmax,
+        n_rand=e.n_rand, scheduler=e.scheduler, seed=cfg.seed, sequences_per_task=e.sequences_per_task))
+    print(f"    {summary.sequences_ok} sequences x {summary.layouts_per_sequence} group-layouts = {summary.rows_out} "
+          f"rows ({summary.rows_per_s:.0f} rows/s) -> {summary.rows_dir}; quarantined {summary.quarantined}")
+    if summary.quarantined:
+        raise RuntimeError(f"expand quarantined {summary.quarantined} tinymath records: {summary.quarantine_reasons}")
+    return summary
+
+
+def train_config(cfg: QuickstartConfig, run: Path, base: Path, rows_dir: str, name: str = "train",
+                 export_dir: Path | None = None, checkpoint_every: int | None = None):
+    """The TrainConfig of a MultiTF post-training run on `rows_dir` (absolute paths: workers run elsewhere)."""
+    from mbd.train_config import TrainConfig
+
+    t, e = cfg.train, cfg.expand
+    return TrainConfig.model_validate({
+        "run": {"name": name, "storage_path": str(run.resolve()), "keep_checkpoints": 1,
+                "export_dir": str((export_dir or run / "mbd-tiny").resolve())},
+        "model_path": str(base.resolve()),
+        "data": {"parquet": str(Path(rows_dir).resolve()), "max_length": e.max_length, "probe_rows": 16},
+        "layouts": {"mode": "multitf", "gmax": e.gmax, "n_rand": e.n_rand, "scheduler": e.scheduler.model_dump()},
+        "objective": {"name": "multitf_ce"},
+        "deepspeed": {"zero_stage": t.zero_stage, "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
+                      "lr": t.lr, "warmup_steps": t.warmup_steps, "min_lr_ratio": t.min_lr_ratio,
+                      "grad_clip": t.grad_clip},
+        "steps": t.steps, "checkpoint_every": checkpoint_every or t.steps, "num_workers": t.num_workers,
+        "cpus_per_worker": t.cpus_per_worker, "seed": cfg.seed,
+    })
+
+
+def train_stage(cfg: QuickstartConfig, run: Path, base: Path, rows_dir: str, progress: bool, **kw: Any):
+    from pipelines.train_multitf import run_train
+
+    summary = run_train(train_config(cfg, run, base, rows_dir, **kw), show_progress=progress)
+    probes = [m["probe_loss"] for m in summary.history if "probe_loss" in m]
+    print(f"    {summary.last_step} steps, loss {summary.final.get('loss', float('nan')):.4f}, probe loss "
+          f"{probes[0]:.4f} -> {probes[-1]:.4f}; MBD model -> {summary.export_dir}")
+    return summary
+
+
+def point_name(key: str, override: dict[str, Any]) -> str:
+    return key + "".join(f".{k}={v}" for k, v in override.items())
+
+
+def sweep_config(cfg: QuickstartConfig, out: Path, models: Sequence[tuple[str, Path]],
+                 methods: Sequence[MethodSpec]):
+    """SweepConfig over `models` (name, path) and `methods` (label, key, decode YAML, model name): one AUP curve
+    per method, its points being `eval.curve` applied to the method's decode YAML."""
+    from mbd.eval.sweep import SweepConfig
+
+    decoding = [{"name": point_name(key, o), "config": str(resolve_path(path)), "overrides": o, "curve": label,
+                 "models": [model]} for label, key, path, model in methods for o in cfg.eval.overrides(path)]
+    return SweepConfig.model_validate({
+        "name": out.parent.name, "output_dir": str(out),
+        "models": [{"name": n, "path": str(p), "section": "tiny"} for n, p in models],
+        "decoding": decoding, "benchmarks": [{"name": BENCHMARK, "limit": cfg.eval.problems}],
+        "batch_size": cfg.eval.batch_size, "trace_problems": cfg.eval.trace_problems, "device": "cpu",
+        "workers": 1, "cpus_per_worker": 1, "cpus_per_scorer": 0.5,
+    })
+
+
+def as_methods(cfg: QuickstartConfig, methods: Sequence[MethodSpec]) -> list[Method]:
+    """(label, key, decode YAML, model) -> report Methods whose configs are the sweep's curve-point names."""
+    return [Method(label=label, model=model, configs=[point_name(key, o) for o in cfg.eval.overrides(path)])
+            for label, key, path, model in methods]
+
+
+def rows_of(cfg: QuickstartConfig, cells: Sequence[CellMetrics],
+            methods: Sequence[MethodSpec]) -> list[MethodRow]:
+    return method_rows(cells, as_methods(cfg, methods), BENCHMARK)
+
+
+def curves_of(cfg: QuickstartConfig, run: Path, methods: Sequence[MethodSpec]) -> dict[str, Curve]:
+    """Per-problem records of each method's curve, on the evaluated held-out problems."""
+    from mbd.eval.benchmarks import get_benchmark
+
+    ids = [p.problem_id for p in get_benchmark(BENCHMARK).load(limit=cfg.eval.problems)]
+    store = ResultStore(run / "eval")
+    return {m.label: load_curve(store, m, BENCHMARK, ids) for m in as_methods(cfg, methods)}
+
+
+def section_title(cfg: QuickstartConfig) -> str:
+    multi = cfg.eval.points(cfg.eval.multibd)[0]
+    return f"tiny sdar (bufsz={multi.buffer_size}, blksz={multi.block_size or 'model'})"
