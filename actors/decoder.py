@@ -48,11 +48,12 @@ class Delta:
     num_generated: int = 0
     logprobs: list[float] | None = None  # of token_ids, when the request asked for them
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    provisional: list[list[int]] | None = None  # the Block Buffer's not-yet-final blocks after these tokens
 
     def merge(self, later: "Delta") -> "Delta":
         lps = None if later.logprobs is None else (self.logprobs or []) + later.logprobs
         return Delta(self.token_ids + later.token_ids, later.finished, later.finish_reason, later.nfe,
-                     later.num_generated, lps, later.cached_tokens)
+                     later.num_generated, lps, later.cached_tokens, later.provisional)
 
 
 @dataclass
@@ -177,7 +178,7 @@ class EngineHost:
     def _publish(self, outs: Sequence[StepOutput]) -> None:
         items = []
         for o in outs:
-            if not (o.new_token_ids or o.finished):
+            if not (o.new_token_ids or o.finished or o.provisional):
                 continue
             with self._lock:
                 s = self._streams.pop(o.request_id, None) if o.finished else self._streams.get(o.request_id)
@@ -186,7 +187,7 @@ class EngineHost:
             s.committed += len(o.new_token_ids)
             mark(o.request_id, "commit", s.committed)
             d = Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated, o.new_logprobs,
-                      o.cached_tokens)
+                      o.cached_tokens, o.provisional)
             if not s.per_block:
                 d = s.held.merge(d) if s.held is not None else d
                 if not o.finished:

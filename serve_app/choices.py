@@ -29,6 +29,8 @@ class Piece:
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str | None = None  # set on the choice's last piece
+    provisional: list[list[int]] | None = None  # not-yet-final blocks after `committed` engine tokens
+    committed: int = 0
 
 
 class Choice:
@@ -69,8 +71,10 @@ class Choice:
                 self.last = d
                 self.logprobs += d.logprobs or []
                 text, upto = await sync(len(d.token_ids), self._push, d.token_ids)
-                if text:
-                    yield self._piece(text, upto, None)
+                if text or d.provisional:
+                    p = self._piece(text, upto, None)
+                    p.provisional, p.committed = d.provisional, received
+                    yield p
                 done = d.finished
                 if done or self.text.stopped:
                     break

@@ -178,6 +178,11 @@ class RequestConverter:
             raise APIError(400, "'stop' strings must not be empty", "stop")
         update: dict[str, Any] = {k: getattr(req, k) for k in MBD_FIELDS if getattr(req, k) is not None}
         update |= {"max_new_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": req.wants_logprobs()}
+        if req.stream_options is not None and req.stream_options.include_provisional:
+            if not req.stream:
+                raise APIError(400, "stream_options.include_provisional needs stream=true",
+                               "stream_options.include_provisional")
+            update["provisional"] = True
         update |= {k: getattr(req, k) for k in ("temperature", "top_p", "seed") if getattr(req, k) is not None}
         if req.top_k is not None:
             update["top_k"] = max(req.top_k, 0)  # vLLM's -1 = all tokens = our 0

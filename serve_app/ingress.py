@@ -33,10 +33,11 @@ from serve_app.config import ServeConfig
 from serve_app.convert import RequestConverter
 from serve_app.errors import overloaded, unavailable
 from serve_app.metrics import IngressMetrics
-from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+from serve_app.protocol import (MASK_GLYPH, APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                 ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, CompletionChoice,
                                 CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, MBDStats,
-                                ModelCard, ModelList, SamplingFields, TokenLogprob, Usage, new_id, now)
+                                ModelCard, ModelList, Provisional, ProvisionalBlock, SamplingFields, TokenLogprob,
+                                Usage, new_id, now)
 
 log = logging.getLogger("ray.serve")
 INLINE_COST = 1024  # characters or tokens (de)tokenized on the event loop; more go to the tokenizer pool
@@ -56,6 +57,11 @@ def _size(prompt: str | list) -> int:
     """Characters or token ids in a prompt field (a string, ids, or a list of either)."""
     return len(prompt) if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else \
         sum(_size(p) for p in prompt)
+
+
+def _constrained(req: SamplingFields) -> bool:
+    return any(getattr(req, f) is not None for f in ("response_format", "structured_outputs", "guided_json",
+                                                     "guided_regex", "guided_choice", "guided_grammar"))
 
 
 async def _first(gen: DeploymentResponseGenerator) -> Delta:
@@ -120,7 +126,7 @@ class OpenAIIngress:
                 offsets[p.index] += sum(len(t) for t in lp.tokens) if lp else 0
                 return CompletionResponse(id=rid, created=created, model=self.name, choices=[CompletionChoice(
                     index=p.index, text=p.text, logprobs=lp, finish_reason=p.finish_reason,
-                    token_ids=p.token_ids if req.return_token_ids else None)])
+                    token_ids=p.token_ids if req.return_token_ids else None, provisional=self._provisional(p))])
 
             def tail(u: Usage | None, stats: MBDStats) -> CompletionResponse:
                 return CompletionResponse(id=rid, created=created, model=self.name, choices=[], usage=u, mbd=stats)
@@ -157,7 +163,7 @@ class OpenAIIngress:
                 return ChatCompletionChunk(id=rid, created=created, model=self.name, choices=[ChatChunkChoice(
                     index=p.index, delta=DeltaMessage(content=p.text) if p.text or not p.finish_reason else
                     DeltaMessage(), logprobs=logprobs(p), finish_reason=p.finish_reason,
-                    token_ids=p.token_ids if req.return_token_ids else None)])
+                    token_ids=p.token_ids if req.return_token_ids else None, provisional=self._provisional(p))])
 
             def tail(u: Usage | None, stats: MBDStats) -> ChatCompletionChunk:
                 return ChatCompletionChunk(id=rid, created=created, model=self.name, choices=[], usage=u, mbd=stats)
@@ -182,7 +188,8 @@ class OpenAIIngress:
         rid.i) and wait for the first block of each: it decides the HTTP status (200, 400 or 503)."""
         self.convert.check_choices(req, len(prompts))
         params = self.convert.params(req, max(len(p) for p in prompts))
-        constraint = await self._sync(self.convert.constraint, req)
+        # compiling a grammar costs milliseconds, a schema many more: always off the event loop
+        constraint = await self._sync(INLINE_COST + 1, self.convert.constraint, req) if _constrained(req) else None
         # blocks one by one only when someone looks at them: an SSE client, or stop strings that may end early
         per_block = req.stream or bool(req.stop_list())
         ids = [f"{rid}.{i}" for i in range(len(prompts) * req.n)]
@@ -258,6 +265,15 @@ class OpenAIIngress:
         u = usage(prompts, choices)
         self.metrics.finished(u.prompt_tokens, u.completion_tokens, sum(c.last.nfe for c in choices),
                               (time.perf_counter() - t0) * 1e3)
+
+    def _provisional(self, p: Piece) -> Provisional | None:
+        """A piece's not-yet-final blocks as the client sees them (masked positions: None / MASK_GLYPH)."""
+        if p.provisional is None:
+            return None
+        mask = self.convert.model_cfg.mask_token_id
+        blocks = [ProvisionalBlock(token_ids=[None if t == mask else t for t in b], text="".join(
+            MASK_GLYPH if t == mask else self.tok.decode([t]) for t in b)) for b in p.provisional]
+        return Provisional(committed_tokens=p.committed, blocks=blocks)
 
     def _stats(self, req: SamplingFields, choices: list[Choice]) -> MBDStats:
         return mbd_stats(choices, req.buffer_size or self.cfg.decode.buffer_size)

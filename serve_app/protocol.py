@@ -45,6 +45,9 @@ class StrictRequest(BaseModel):
 class StreamOptions(StrictRequest):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
+    # ours: chunks also carry the Block Buffer's not-yet-final blocks (`provisional`), for interfaces that show
+    # diffusion; the content stays committed text only
+    include_provisional: bool = False
 
 
 class JSONSchemaFormat(StrictRequest):
@@ -198,12 +201,31 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class ProvisionalBlock(BaseModel):
+    """A Block Buffer block (or the part of one after the committed text) that is not final yet."""
+
+    token_ids: list[int | None]  # None: still masked
+    text: str  # the filled tokens decoded one by one; a masked position shows as MASK_GLYPH
+
+
+class Provisional(BaseModel):
+    """With stream_options.include_provisional: what follows the committed text right now. `committed_tokens`:
+    the tokens committed before these blocks; the blocks may still change (and masked ones will fill)."""
+
+    committed_tokens: int
+    blocks: list[ProvisionalBlock]
+
+
+MASK_GLYPH = "\u2591"
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = None  # with return_token_ids (vLLM's name)
+    provisional: Provisional | None = None  # streams with stream_options.include_provisional
 
 
 class CompletionResponse(BaseModel):
@@ -261,6 +283,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = None
+    provisional: Provisional | None = None  # with stream_options.include_provisional
 
 
 class ChatCompletionChunk(BaseModel):

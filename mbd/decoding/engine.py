@@ -61,6 +61,9 @@ class StepOutput:
     num_generated: int
     new_logprobs: list[float] | None = None  # with params.logprobs: the log-probability of each new token
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
+    # with params.provisional: the resident tokens after the final ones (masks included), per block (the first may
+    # be partial: a prompt's tail), from the end of the output so far; None when not asked for
+    provisional: list[list[int]] | None = None
 
 
 class GenerationResult(BaseModel):
@@ -443,7 +446,8 @@ class Engine:
                 req.n_res = req.n_tc = 0
             else:
                 outs.append(StepOutput(req.id, new, False, None, req.nfe, req.num_generated,
-                                       self._logprobs(req, new), req.cached_tokens or 0))
+                                       self._logprobs(req, new), req.cached_tokens or 0,
+                                       self._provisional(req, toks, base, post_tc, n_res)))
             host_row = buf.slot_states(req.n_tc, req.n_res, self.n_buf) + [0 if req.finished else req.cache_len]
             old = self._host_rows[row]
             if host_row != old:
@@ -502,6 +506,17 @@ class Engine:
         self.sched.finish(req)
         return StepOutput(req.id, new, True, reason, req.nfe, req.num_generated, self._logprobs(req, new),
                           req.cached_tokens or 0)
+
+    def _provisional(self, req: Request, toks: list[int], base: int, post_tc: int, n_res: int
+                     ) -> list[list[int]] | None:
+        """The tokens of the resident slots after the final ones, within the generation limit, per block."""
+        if not req.params.provisional or req.eos:
+            return None
+        B = self.block
+        lo = max(base + post_tc * B, req.prompt_len + len(req.output))
+        hi = max(lo, min(base + n_res * B, req.params.gen_end))
+        cuts = [lo, *range((lo // B + 1) * B, hi, B), hi]
+        return [toks[a - base: b - base] for a, b in zip(cuts, cuts[1:]) if b > a]
 
     @staticmethod
     def _logprobs(req: Request, new: list[int]) -> list[float] | None:

@@ -50,6 +50,7 @@ class RequestParams:
     top_k: int = 0
     ignore_eos: bool = False
     logprobs: bool = False
+    provisional: bool = False
 
     @classmethod
     def resolve(cls, cfg: DecodeConfig, prompt_len: int, max_length: int) -> "RequestParams":
@@ -59,7 +60,7 @@ class RequestParams:
                              "or raise max_length (the engine's max_length caps every request)")
         return cls(cfg.buffer_size, min(prompt_len + cfg.max_new_tokens, limit), cfg.max_nfe, cfg.tau_add,
                    cfg.tau_semi, cfg.tau_stable, cfg.tau_m2t, cfg.tau_t2t, cfg.temperature, cfg.seed,
-                   cfg.top_p, cfg.top_k, cfg.ignore_eos, cfg.logprobs)
+                   cfg.top_p, cfg.top_k, cfg.ignore_eos, cfg.logprobs, cfg.provisional)
 
 
 class BatchBuffers:

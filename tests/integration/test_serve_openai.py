@@ -430,3 +430,28 @@ def test_cached_tokens_in_usage(client):
     streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, stream=True,
                                               stream_options={"include_usage": True}))
     assert streamed[-1].usage.prompt_tokens_details.cached_tokens == 80
+
+
+def test_provisional_streaming_is_opt_in(base, client):
+    """stream_options.include_provisional: chunks also carry the not-yet-final blocks (masks shown as None /
+    a glyph) after `committed_tokens`; the content is still committed text only and concatenates to the text of
+    a plain stream; the openai SDK ignores the extra field. Without the option no chunk carries it."""
+    body = {"model": MODEL, "prompt": "4*4=", "max_tokens": 16, "stream": True}
+    plain = "".join(c.choices[0].text for c in client.completions.create(**body) if c.choices)
+    sdk = list(client.completions.create(**body, stream_options={"include_provisional": True}))
+    assert "".join(c.choices[0].text for c in sdk if c.choices) == plain
+    events = []
+    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=TIMEOUT, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "4*4="}], "max_tokens": 16, "stream": True,
+            "stream_options": {"include_provisional": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    prov = [c["choices"][0]["provisional"] for c in events if c["choices"] and c["choices"][0].get("provisional")]
+    assert prov and all(len(b["token_ids"]) <= 4 for p in prov for b in p["blocks"])
+    assert any(None in b["token_ids"] for p in prov for b in p["blocks"])
+    counts = [p["committed_tokens"] for p in prov]
+    assert counts == sorted(counts)
+    r = httpx.post(f"{base}/v1/completions", timeout=TIMEOUT, json={**body, "stream": False,
+                                                                      "stream_options": {"include_provisional": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_provisional"

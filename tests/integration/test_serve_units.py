@@ -244,3 +244,21 @@ def test_engine_host_constrains_and_reports_cached_tokens(ckpt, tok):
             host.validate(ids, params, ConstraintSpec.json_schema({"type": "array", "uniqueItems": True}))
     finally:
         host.shutdown()
+
+
+def test_engine_host_streams_provisional_blocks(ckpt, tok):
+    """provisional=True: deltas also carry the not-yet-final blocks (masks included, at most one block each),
+    and the committed tokens are those of a request without it."""
+    host = EngineHost(ModelSpec(path=str(ckpt), max_batch_slots=2), DECODE)
+    try:
+        ids = tok.encode("12+7=")
+        params = DECODE.model_copy(update={"max_new_tokens": 24})
+        plain = asyncio.run(_collect(host, ids, params))
+        prov = asyncio.run(_collect(host, ids, params.model_copy(update={"provisional": True})))
+        assert [t for d in prov for t in d.token_ids] == [t for d in plain for t in d.token_ids]
+        blocks = [b for d in prov if d.provisional for b in d.provisional]
+        mask = special_token_ids()["mask_token_id"]
+        assert blocks and all(len(b) <= 4 for b in blocks) and any(mask in b for b in blocks)
+        assert all(d.provisional is None for d in plain)
+    finally:
+        host.shutdown()

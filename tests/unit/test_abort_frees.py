@@ -41,3 +41,30 @@ def test_abort_frees_row_and_pages_within_one_step():
             out[o.request_id].extend(o.new_token_ids)
     assert [out[i] for i in ids] == [r.token_ids for r in alone]
     assert eng.kv.used() == 0
+
+
+def test_provisional_tokens_are_reported_and_change_nothing():
+    """With `provisional`, every step also reports the Block Buffer's not-yet-final tokens (masks included)
+    after the final ones; the final tokens are those of a run without it, and each final block was reported
+    provisionally before (the same positions) unless it became final in the step that first filled it."""
+    model = build_model(tiny_cfg(max_position_embeddings=256), seed=1).eval()
+    prompt = [5, 6, 7, 8, 9, 10]
+    want = Engine(model, None, DC, max_batch_slots=2).generate([prompt])[0].token_ids
+    eng = Engine(model, None, DC, max_batch_slots=2)
+    rid = eng.add_request(prompt, {"provisional": True})
+    final, seen = [], []
+    while eng.has_unfinished():
+        for o in eng.step():
+            final += o.new_token_ids
+            if o.provisional is not None:
+                assert all(len(b) <= 4 for b in o.provisional)  # per block
+                seen.append((len(final), [t for b in o.provisional for t in b]))
+                assert len(final) + len(seen[-1][1]) <= 120
+    assert final == want and len(seen) > 3
+    mask = model.cfg.mask_token_id
+    assert any(mask in p for _, p in seen) and any(t != mask for _, p in seen for t in p)
+    # a provisional token agrees with the final one when the step that reported it left it unchanged
+    assert sum(final[at + i] == t for at, p in seen for i, t in enumerate(p) if t != mask and at + i < len(final)) > 0
+    plain = Engine(model, None, DC, max_batch_slots=2)
+    plain.add_request(prompt)
+    assert all(o.provisional is None for _ in range(3) for o in plain.step())
