@@ -49,11 +49,13 @@ class Delta:
     logprobs: list[float] | None = None  # of token_ids, when the request asked for them
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     provisional: list[list[int]] | None = None  # the Block Buffer's not-yet-final blocks after these tokens
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # of token_ids: the top (id, logprob) of each
 
     def merge(self, later: "Delta") -> "Delta":
         lps = None if later.logprobs is None else (self.logprobs or []) + later.logprobs
+        tops = None if later.top_logprobs is None else (self.top_logprobs or []) + later.top_logprobs
         return Delta(self.token_ids + later.token_ids, later.finished, later.finish_reason, later.nfe,
-                     later.num_generated, lps, later.cached_tokens, later.provisional)
+                     later.num_generated, lps, later.cached_tokens, later.provisional, tops)
 
 
 @dataclass
@@ -187,7 +189,7 @@ class EngineHost:
             s.committed += len(o.new_token_ids)
             mark(o.request_id, "commit", s.committed)
             d = Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated, o.new_logprobs,
-                      o.cached_tokens, o.provisional)
+                      o.cached_tokens, o.provisional, o.new_top_logprobs)
             if not s.per_block:
                 d = s.held.merge(d) if s.held is not None else d
                 if not o.finished:

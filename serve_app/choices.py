@@ -31,6 +31,7 @@ class Piece:
     finish_reason: str | None = None  # set on the choice's last piece
     provisional: list[list[int]] | None = None  # not-yet-final blocks after `committed` engine tokens
     committed: int = 0
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # of token_ids, with top_logprobs / logprobs=k
 
 
 class Choice:
@@ -43,6 +44,7 @@ class Choice:
         self.deltas, self.cancel = deltas, cancel
         self.first = self.last = first
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
         self.sent = 0  # tokens already reported in pieces
 
     @property
@@ -56,8 +58,9 @@ class Choice:
     def _piece(self, text: str, upto: int, finish: str | None) -> Piece:
         ids = self.text.token_ids[self.sent:upto]
         lps = self.logprobs[self.sent:upto] if self.last.logprobs is not None else None
+        tops = self.top_logprobs[self.sent:upto] if self.last.top_logprobs is not None else None
         self.sent = max(self.sent, upto)
-        return Piece(self.index, text, ids, lps, finish)
+        return Piece(self.index, text, ids, lps, finish, top_logprobs=tops)
 
     async def pieces(self, sync: Sync) -> AsyncIterator[Piece]:
         """Pieces until the engine finishes or a stop string is hit (detokenization runs through `sync`: a large
@@ -70,6 +73,7 @@ class Choice:
                 mark(self.rid, "delta", received)
                 self.last = d
                 self.logprobs += d.logprobs or []
+                self.top_logprobs += d.top_logprobs or []
                 text, upto = await sync(len(d.token_ids), self._push, d.token_ids)
                 if text or d.provisional:
                     p = self._piece(text, upto, None)

@@ -36,15 +36,11 @@ class RequestConverter:
         self.check_model(req)
         if req.echo:
             raise APIError(400, "echo is not supported: a diffusion LM does not score its prompt", "echo")
-        if req.logprobs:
-            raise APIError(400, f"logprobs={req.logprobs} asks for top alternatives, which are not available: "
-                                "logprobs=0 returns each token's own log-probability", "logprobs")
 
     def check_chat(self, req: ChatCompletionRequest) -> None:
         self.check_model(req)
-        if req.top_logprobs:
-            raise APIError(400, f"top_logprobs={req.top_logprobs} asks for top alternatives, which are not "
-                                "available: logprobs=true returns each token's own log-probability", "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
 
     # ---- prompts (these run in the tokenizer pool, off the event loop) ----
 
@@ -178,6 +174,7 @@ class RequestConverter:
             raise APIError(400, "'stop' strings must not be empty", "stop")
         update: dict[str, Any] = {k: getattr(req, k) for k in MBD_FIELDS if getattr(req, k) is not None}
         update |= {"max_new_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": req.wants_logprobs()}
+        update["top_logprobs"] = req.top_count()
         if req.stream_options is not None and req.stream_options.include_provisional:
             if not req.stream:
                 raise APIError(400, "stream_options.include_provisional needs stream=true",

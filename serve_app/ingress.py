@@ -115,8 +115,9 @@ class OpenAIIngress:
                 return None
             tokens = [self.tok.decode([t], skip_special_tokens=False) for t in p.token_ids]
             offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+            tops = [{self._text(i): v for i, v in top} for top in p.top_logprobs or [[]] * len(tokens)]
             return CompletionLogprobs(tokens=tokens, token_logprobs=p.logprobs, text_offset=offsets,
-                                      top_logprobs=[{}] * len(tokens) if req.logprobs == 0 else None)
+                                      top_logprobs=tops if req.logprobs is not None else None)
 
         if req.stream:
             offsets = [0] * len(choices)
@@ -136,7 +137,7 @@ class OpenAIIngress:
         out = []
         for c, text in zip(choices, texts):
             full = Piece(c.index, text, c.token_ids, c.logprobs[: len(c.token_ids)] if req.logprobs is not None
-                         else None)
+                         else None, top_logprobs=c.top_logprobs[: len(c.token_ids)] or None)
             out.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs(full, 0),
                                         finish_reason=c.finish_reason,
                                         token_ids=full.token_ids if req.return_token_ids else None))
@@ -155,8 +156,10 @@ class OpenAIIngress:
             if p.logprobs is None:
                 return None
             tokens = [self.tok.decode([t], skip_special_tokens=False) for t in p.token_ids]
-            return ChatLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-                                         for t, lp in zip(tokens, p.logprobs)])
+            tops = p.top_logprobs or [[]] * len(tokens)
+            return ChatLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()), top_logprobs=[
+                {"token": self._text(i), "logprob": v, "bytes": list(self._text(i).encode())} for i, v in top])
+                for t, lp, top in zip(tokens, p.logprobs, tops)])
 
         if req.stream:
             def chunk(p: Piece) -> ChatCompletionChunk:
@@ -174,7 +177,8 @@ class OpenAIIngress:
         choices, texts = await self._collect(rid, req, prompts, choices, t0)
         out = []
         for c, text in zip(choices, texts):
-            full = Piece(c.index, text, c.token_ids, c.logprobs[: len(c.token_ids)] if req.logprobs else None)
+            full = Piece(c.index, text, c.token_ids, c.logprobs[: len(c.token_ids)] if req.logprobs else None,
+                         top_logprobs=c.top_logprobs[: len(c.token_ids)] or None)
             out.append(ChatChoice(index=c.index, message=AssistantMessage(content=text), logprobs=logprobs(full),
                                   finish_reason=c.finish_reason,
                                   token_ids=full.token_ids if req.return_token_ids else None))
@@ -265,6 +269,9 @@ class OpenAIIngress:
         u = usage(prompts, choices)
         self.metrics.finished(u.prompt_tokens, u.completion_tokens, sum(c.last.nfe for c in choices),
                               (time.perf_counter() - t0) * 1e3)
+
+    def _text(self, token_id: int) -> str:
+        return self.tok.decode([token_id], skip_special_tokens=False)
 
     def _provisional(self, p: Piece) -> Provisional | None:
         """A piece's not-yet-final blocks as the client sees them (masked positions: None / MASK_GLYPH)."""

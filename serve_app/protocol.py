@@ -120,6 +120,10 @@ class SamplingFields(StrictRequest):
     def wants_logprobs(self) -> bool:
         return False
 
+    def top_count(self) -> int:
+        """How many most-likely alternatives to report per token."""
+        return 0
+
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[int] | list[list[int]]
@@ -128,6 +132,9 @@ class CompletionRequest(SamplingFields):
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    def top_count(self) -> int:
+        return self.logprobs or 0
 
 
 class ContentPart(BaseModel):
@@ -157,6 +164,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def wants_logprobs(self) -> bool:
         return self.logprobs
+
+    def top_count(self) -> int:
+        return self.top_logprobs or 0
 
 
 # ---- responses (plain models; built by the server, never parsed from clients) ----

@@ -60,6 +60,7 @@ class StepOutput:
     nfe: int
     num_generated: int
     new_logprobs: list[float] | None = None  # with params.logprobs: the log-probability of each new token
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None  # with params.top_logprobs: per new token
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
     # with params.provisional: the resident tokens after the final ones (masks included), per block (the first may
     # be partial: a prompt's tail), from the end of the output so far; None when not asked for
@@ -218,6 +219,7 @@ class Engine:
             req.generator = torch.Generator(device=self.device).manual_seed(p.seed)
         if p.logprobs:
             req.logprobs = {}
+            req.top_logprobs = {} if p.top_logprobs else None
         self.sched.add(req)
         return req
 
@@ -362,7 +364,7 @@ class Engine:
         span = self.runner.span(max(r.cache_len for _, r in running), S)
         logits, idx = self.runner.forward(b, S, span, A, [c for _, c in chunks], self.kv.at_home(b))
         tokens = buf.tokens[:b, :Q]
-        parts, t2t, conf = [], None, None
+        parts, t2t, conf, tops = [], None, None, None
         has_t2t = any(r.params.tau_t2t is not None for _, r in running)
         guided = bool(A) and any(r.grammar is not None for _, r in running)
         if A:
@@ -386,6 +388,7 @@ class Engine:
                 # logprobs: the probability each token was accepted (or last revised) with, where it changed
                 full = torch.full(tokens.shape, -1.0, device=tokens.device).scatter(1, idx, dec.conf.float())
                 conf = torch.where(updated != tokens, full, -1.0).tolist()
+                tops = self._top_logprobs(logits, idx, running, samplers)
             parts = [dec.masked_in, dec.accepted] + ([dec.revised] if t2t is not None else [])
             if guided:
                 parts.append(tokens)  # the tokens before the decision, for the grammar's recount
@@ -424,6 +427,10 @@ class Engine:
             base, n_res, pre_tc = req.cache_len, req.n_res, req.n_tc
             if req.logprobs is not None and conf is not None:
                 req.logprobs.update((base + i, math.log(c)) for i, c in enumerate(conf[row][:n_res * B]) if c > 0)
+                if req.top_logprobs is not None and tops is not None:
+                    pos, top = tops[0][row], tops[1][row]
+                    req.top_logprobs.update((base + q, top[j][: req.params.top_logprobs])
+                                            for j, q in enumerate(pos) if conf[row][q] > 0)
             post_tc = self.policy.final_count(req.params, pre_tc, n_res, filled, unchanged)
             new = self._emit(req, toks, base, pre_tc, post_tc)
             if base + post_tc * B > len(req.known):
@@ -446,7 +453,7 @@ class Engine:
                 req.n_res = req.n_tc = 0
             else:
                 outs.append(StepOutput(req.id, new, False, None, req.nfe, req.num_generated,
-                                       self._logprobs(req, new), req.cached_tokens or 0,
+                                       self._logprobs(req, new), self._top(req, new), req.cached_tokens or 0,
                                        self._provisional(req, toks, base, post_tc, n_res)))
             host_row = buf.slot_states(req.n_tc, req.n_res, self.n_buf) + [0 if req.finished else req.cache_len]
             old = self._host_rows[row]
@@ -505,7 +512,29 @@ class Engine:
         req.t_finished = time.perf_counter()
         self.sched.finish(req)
         return StepOutput(req.id, new, True, reason, req.nfe, req.num_generated, self._logprobs(req, new),
-                          req.cached_tokens or 0)
+                          self._top(req, new), req.cached_tokens or 0)
+
+    def _top_logprobs(self, logits: torch.Tensor, idx: torch.Tensor, running: list[tuple[int, Request]],
+                      samplers: list[Sampler]) -> tuple[list, list] | None:
+        """(window buffer positions [b][A*B], their top-k (id, logprob) lists) for rows asking for top_logprobs:
+        of the distribution the step accepted from (the model's softmax with the mask token excluded and the
+        grammar's mask applied; a sampled row's tempered, top-k / top-p one). None when no row asks."""
+        k = max((r.params.top_logprobs for _, r in running if r.top_logprobs is not None), default=0)
+        if not k:
+            return None
+        lp = logits.float().log_softmax(-1)
+        for s in samplers:
+            lp[s.row] = s.probs(logits[s.row]).log()
+        vals, ids = lp.topk(k, -1)
+        top = [[list(zip(i, v)) for i, v in zip(ri, rv)] for ri, rv in zip(ids.tolist(), vals.tolist())]
+        return idx.tolist(), top
+
+    @staticmethod
+    def _top(req: Request, new: list[int]) -> list[list[tuple[int, float]]] | None:
+        if req.top_logprobs is None:
+            return None
+        end = req.prompt_len + len(req.output)
+        return [req.top_logprobs.pop(pos, []) for pos in range(end - len(new), end)]
 
     def _provisional(self, req: Request, toks: list[int], base: int, post_tc: int, n_res: int
                      ) -> list[list[int]] | None:

@@ -51,6 +51,7 @@ class RequestParams:
     ignore_eos: bool = False
     logprobs: bool = False
     provisional: bool = False
+    top_logprobs: int = 0
 
     @classmethod
     def resolve(cls, cfg: DecodeConfig, prompt_len: int, max_length: int) -> "RequestParams":
@@ -60,7 +61,7 @@ class RequestParams:
                              "or raise max_length (the engine's max_length caps every request)")
         return cls(cfg.buffer_size, min(prompt_len + cfg.max_new_tokens, limit), cfg.max_nfe, cfg.tau_add,
                    cfg.tau_semi, cfg.tau_stable, cfg.tau_m2t, cfg.tau_t2t, cfg.temperature, cfg.seed,
-                   cfg.top_p, cfg.top_k, cfg.ignore_eos, cfg.logprobs, cfg.provisional)
+                   cfg.top_p, cfg.top_k, cfg.ignore_eos, cfg.logprobs, cfg.provisional, cfg.top_logprobs)
 
 
 class BatchBuffers:
@@ -152,6 +153,7 @@ class Request:
     trace: list[dict] | None = None
     generator: torch.Generator | None = None
     logprobs: dict[int, float] | None = None  # absolute position -> log-probability of its current token
+    top_logprobs: dict[int, list[tuple[int, float]]] | None = None  # absolute position -> top (id, logprob)
     grammar: Matcher | None = None  # structured output: the matcher of what may be committed (kept on preemption)
     frontier: int = 0  # with a grammar: the first absolute position its matcher has not accepted
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission

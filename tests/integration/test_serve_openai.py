@@ -175,9 +175,16 @@ def test_logprobs(client, ref):
     lp = got.choices[0].logprobs
     assert lp.token_logprobs == pytest.approx(lps, abs=1e-4) and "".join(lp.tokens) == got.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="8-3=", max_tokens=4, logprobs=2)
-    assert e.value.body["param"] == "logprobs"
+    # top alternatives (greedy: the returned token is the most likely one of its distribution)
+    got = client.completions.create(model=MODEL, prompt="8-3=", max_tokens=6, logprobs=2)
+    lp = got.choices[0].logprobs
+    assert len(lp.top_logprobs) == 6
+    for text, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and max(top, key=top.get) == text and top[text] == pytest.approx(v, abs=1e-4)
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, logprobs=True, top_logprobs=3)
+    for c in chat.choices[0].logprobs.content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-4)
 
 
 def test_stream_options_include_usage(client):

@@ -1,5 +1,5 @@
-"""A client that goes away: aborting a request mid-decode frees its batch row and its KV pages at the next step,
-and the requests decoding beside it produce exactly the tokens they produce without it."""
+"""What a request gets back beyond its tokens, and what leaving early does: an aborted request (a client gone)
+frees its row and KV pages at the next step without disturbing the others; provisional blocks; top_logprobs."""
 
 import torch
 
@@ -68,3 +68,23 @@ def test_provisional_tokens_are_reported_and_change_nothing():
     plain = Engine(model, None, DC, max_batch_slots=2)
     plain.add_request(prompt)
     assert all(o.provisional is None for _ in range(3) for o in plain.step())
+
+
+def test_top_logprobs_are_the_distribution_each_token_was_accepted_from():
+    """Greedy: the returned token is the top-1 of its distribution, its logprob equals the top-1's, the top-k
+    are sorted and are log-probabilities of distinct tokens (the mask token never among them)."""
+    model = build_model(tiny_cfg(max_position_embeddings=256), seed=1).eval()
+    eng = Engine(model, None, DC, max_batch_slots=2)
+    rid = eng.add_request([5, 6, 7, 8, 9, 10], {"logprobs": True, "top_logprobs": 3, "max_new_tokens": 24})
+    toks, lps, tops = [], [], []
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.request_id == rid:
+                toks += o.new_token_ids
+                lps += o.new_logprobs
+                tops += o.new_top_logprobs
+    assert len(toks) == len(lps) == len(tops) == 24
+    for t, lp, top in zip(toks, lps, tops):
+        assert len(top) == 3 and top[0][0] == t and abs(top[0][1] - lp) < 1e-5
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True) and len({i for i, _ in top}) == 3
+        assert model.cfg.mask_token_id not in {i for i, _ in top} and sum(2.718281828 ** v for _, v in top) <= 1 + 1e-5
