@@ -126,9 +126,7 @@ class RequestConverter:
                   for k in ("json", "regex", "choice", "grammar")]
         shapes += [(f"guided_{k}", k, getattr(req, f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")]
         try:
-            out = [ConstraintSpec.json_schema(value, field) if kind == "json" else ConstraintSpec.choice(value, field)
-                   if kind == "choice" else ConstraintSpec(kind, value, field)
-                   for field, kind, value in shapes if value is not None]
+            out = [_spec(kind, value, field) for field, kind, value in shapes if value is not None]
             if rf is not None and rf.type == "json_object":
                 out.append(ConstraintSpec("json_object", field="response_format"))
             elif rf is not None and rf.type == "json_schema":
@@ -189,3 +187,12 @@ class RequestConverter:
             err = e.errors()[0]
             param = field_path(tuple(err["loc"]))
             raise APIError(400, f"invalid decoding parameters: {err['msg']}", param or "buffer_size") from e
+
+
+def _spec(kind: str, value: Any, field: str) -> ConstraintSpec:
+    """One vLLM-shaped constraint (json, regex, choice or grammar) from request field `field`."""
+    if kind == "json":
+        return ConstraintSpec.json_schema(value, field)
+    if kind == "choice":
+        return ConstraintSpec.choice(value, field)
+    return ConstraintSpec(kind, value, field)
