@@ -23,11 +23,12 @@ import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.tp_worker import Lockstep, ModelSpec, Op, TPWorker, free_port, init_tp
-from actors.trace import mark
-from mbd.config import DecodeConfig
+from actors.trace import Trace
+from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.constraints import ConstraintSpec
 from mbd.decoding.engine import Engine, StepOutput
 from mbd.decoding.spec import build_engine
+from mbd.decoding.validate import EngineLimits
 
 ON_STEP_S = 0.5  # metrics are refreshed at most this often (a step can take a millisecond)
 IDLE_TICK_S = 1.0  # an idle rank 0 still broadcasts this often, so follower ranks never hit a collective timeout
@@ -93,17 +94,18 @@ def engine_stats(engine: Engine, in_engine: int) -> dict[str, float]:
     request holds, pages free or cached), prefix-cache hit rate (prompt tokens served from cached pages) and
     preemptions so far."""
     s, kv = engine.stats, engine.kv
-    return {"in_engine": in_engine, "free_slots": engine.num_free_slots(), "steps": s.steps, "step_s": s.step_s,
+    return {"in_engine": in_engine, "free_slots": engine.num_free_rows(), "steps": s.steps, "step_s": s.step_s,
             "kv_pages_used": kv.used(), "kv_pages_free": kv.available(), "prefix_hit_rate": s.prefix_hit_rate,
             "prefix_hit_tokens": s.prefix_hit_tokens, "preemptions": s.preemptions}
 
 
 class EngineHost:
-    def __init__(self, spec: ModelSpec, decode: DecodeConfig, on_step: Callable[[dict[str, float]], None] | None = None,
-                 startup_timeout_s: float = 600.0):
+    def __init__(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig,
+                 on_step: Callable[[dict[str, float]], None] | None = None, startup_timeout_s: float = 600.0):
         """on_step: called from the engine loop with `engine_stats(...)` after steps, at most every ON_STEP_S."""
         self.spec = spec
         self.decode = decode
+        self.engine = engine
         self._on_step = on_step
         self._inbox: queue.SimpleQueue[Op] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -112,6 +114,7 @@ class EngineHost:
         self._ready = threading.Event()
         self._lockstep: Lockstep | None = None
         self.num_aborted = 0
+        self.trace = Trace("decoder")
         world = spec.tensor_parallel_size
         addr, port = (ray.util.get_node_ip_address(), free_port("")) if world > 1 else ("", 0)
         self._workers = [self._start_worker(r, addr, port) for r in range(1, world)]
@@ -129,15 +132,16 @@ class EngineHost:
             num_cpus=self.spec.num_cpus_per_rank, num_gpus=self.spec.num_gpus_per_rank,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
         ).remote()
-        return actor, actor.run.remote(self.spec, self.decode, rank, addr, port)
+        return actor, actor.run.remote(self.spec, self.decode, self.engine, rank, addr, port)
 
     # ---- engine thread ----
 
     def _main(self, addr: str, port: int) -> None:
         try:
-            tp, ctrl = init_tp(self.spec, 0, addr, port)
+            tp, ctrl = init_tp(self.spec, self.engine, 0, addr, port)
             with torch.inference_mode():
-                lock = self._lockstep = Lockstep(build_engine(self.spec, self.decode, tp), tp.world, ctrl)
+                engine = build_engine(self.spec.resolved_path(), self.decode, self.engine, tp)
+                lock = self._lockstep = Lockstep(engine, tp.world, ctrl)
                 self._ready.set()
                 reported = 0.0
                 while True:
@@ -145,18 +149,18 @@ class EngineHost:
                     t = time.perf_counter()
                     ops = lock.exchange(self._drain(block=idle))
                     if idle:
-                        mark("-", "idle", time.perf_counter() - t)
+                        self.trace.mark("-", "idle", time.perf_counter() - t)
                     refused = dict(lock.apply(ops))
                     for rid, reason in refused.items():
                         self._fail(rid, ValueError(f"request refused by the engine: {reason}"))
                     for op in ops:
                         if op[0] == "add" and op[1] not in refused:
-                            mark(op[1], "admit")
+                            self.trace.mark(op[1], "admit")
                     if lock.stopped:
                         break
                     t = time.perf_counter()
                     outs = lock.step()
-                    mark("-", "step", time.perf_counter() - t)
+                    self.trace.mark("-", "step", time.perf_counter() - t)
                     self._publish(outs)
                     if self._on_step is not None and time.monotonic() - reported >= ON_STEP_S:
                         reported = time.monotonic()
@@ -187,7 +191,7 @@ class EngineHost:
             if s is None:
                 continue
             s.committed += len(o.new_token_ids)
-            mark(o.request_id, "commit", s.committed)
+            self.trace.mark(o.request_id, "commit", s.committed)
             d = Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated, o.new_logprobs,
                       o.cached_tokens, o.provisional, o.new_top_logprobs)
             if not s.per_block:
@@ -231,6 +235,12 @@ class EngineHost:
         if self._lockstep is None:
             raise EngineDead("engine loop has not started")
         self._lockstep.engine.check_request(prompt_ids, params, constraint)
+
+    def limits(self) -> EngineLimits:
+        """What this replica's engine can serve (the ingress checks requests against it before routing them)."""
+        if self._lockstep is None:
+            raise EngineDead("engine loop has not started")
+        return self._lockstep.engine.limits
 
     def stats(self) -> dict[str, float]:
         """A snapshot for operators and tests: open streams, aborted requests, and `engine_stats`."""

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import ray
 
-from mbd.config import DecodeConfig
+from mbd.config import DecodeConfig, EngineConfig
 from mbd.eval.prompts import Message
 from mbd.eval.sweep import DecodedUnit, EngineCache, ModelEntry, decode_prompts
 
 
 @ray.remote
 class EvalWorker:
-    def __init__(self, device: str, batch_size: int, trace: bool, torch_threads: int | None = None):
-        if torch_threads is not None:
-            import torch  # here, not at module level: the driver and the scoring tasks never load torch
-
-            torch.set_num_threads(torch_threads)
-        self.engines = EngineCache(device, batch_size, trace)
+    def __init__(self, engine: EngineConfig):
+        self.engines = EngineCache(engine)  # torch threads are set when the first model loads
 
     def decode(self, model: ModelEntry, params: DecodeConfig, prompts: list[list[Message]],
                keep_trace: list[bool]) -> DecodedUnit:

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
-from typing import Literal
+from pathlib import Path
 
 import ray
 import torch
 import torch.distributed as dist
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from mbd.config import DecodeConfig
+from mbd.config import DecodeConfig, EngineConfig, StrictModel
 from mbd.decoding.engine import Engine, StepOutput
-from mbd.decoding.spec import EngineSpec, build_engine
+from mbd.decoding.spec import build_engine, model_dir
 from mbd.model import TPGroup
 
 # Ops broadcast from rank 0: ("add", request_id, prompt_ids, DecodeConfig, ConstraintSpec | None) |
@@ -28,25 +28,18 @@ from mbd.model import TPGroup
 Op = tuple
 
 
-class ModelSpec(EngineSpec):
-    """A served model: the engine's spec plus the replica's name, tensor parallelism and resources per rank."""
+class ModelSpec(StrictModel):
+    """A served model: its weights, the replica's name, tensor parallelism and resources per rank (how the
+    engine runs is the serve config's `engine:` section)."""
 
+    path: str = Field(description="model directory: config.json, *.safetensors, tokenizer.json")
     name: str = Field(default="mbd-tiny", min_length=1, description="the `model` id clients send")
-    device: Literal["cpu", "cuda"] = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     tensor_parallel_size: int = Field(default=1, ge=1, le=8)
     num_cpus_per_rank: float = Field(default=1.0, gt=0)
     num_gpus_per_rank: float = Field(default=0.0, ge=0)
 
-    @model_validator(mode="after")
-    def _check(self) -> "ModelSpec":
-        if self.device == "cuda" and self.num_gpus_per_rank < 1:
-            raise ValueError("device 'cuda' needs num_gpus_per_rank: 1 (one GPU per tensor-parallel rank)")
-        return self
-
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.device == "cuda" else "gloo"
+    def resolved_path(self) -> Path:
+        return model_dir(self.path)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,15 +49,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def init_tp(spec: ModelSpec, rank: int, addr: str, port: int) -> tuple[TPGroup, object | None]:
+def init_tp(spec: ModelSpec, engine: EngineConfig, rank: int, addr: str, port: int) -> tuple[TPGroup, object | None]:
     """Join the replica's process group; returns this rank's TPGroup and the gloo group for control messages
     (None: the default group is already gloo)."""
     world = spec.tensor_parallel_size
     if world == 1:
         return TPGroup(), None
-    dist.init_process_group(spec.backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+    backend = "nccl" if engine.torch_device().type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                             timeout=timedelta(minutes=10))
-    ctrl = dist.new_group(backend="gloo") if spec.backend != "gloo" else None
+    ctrl = dist.new_group(backend="gloo") if backend != "gloo" else None
     return TPGroup(rank, world), ctrl
 
 
@@ -124,11 +118,11 @@ class Lockstep:
 class TPWorker:
     """Rank r > 0 of a decoder replica, placed in bundle r of the replica's placement group."""
 
-    def run(self, spec: ModelSpec, decode: DecodeConfig, rank: int, addr: str, port: int) -> None:
+    def run(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, rank: int, addr: str, port: int) -> None:
         """Blocks for the replica's lifetime; returns when rank 0 broadcasts stop, raises if the loop fails."""
-        tp, ctrl = init_tp(spec, rank, addr, port)
+        tp, ctrl = init_tp(spec, engine, rank, addr, port)
         try:
             with torch.inference_mode():
-                Lockstep(build_engine(spec, decode, tp), tp.world, ctrl).follow()
+                Lockstep(build_engine(spec.resolved_path(), decode, engine, tp), tp.world, ctrl).follow()
         finally:
             dist.destroy_process_group()

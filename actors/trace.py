@@ -1,9 +1,9 @@
 """Per-request timestamps for the service's time breakdown (`python -m benchmarks.serve_breakdown`).
 
-Off unless the environment variable MBD_TRACE_DIR names a directory when the process imports this module;
-then every process of the service (ingress, decoder replica, engine thread) appends one JSON line per event,
-`[wall time, request id, event, value]`, to its own file there. Wall time (time.time) is comparable across the
-processes of one machine, which is where the breakdown is taken. When off, `mark` is one attribute test.
+Off unless the environment variable MBD_TRACE_DIR names a directory; then each `Trace` (one per ingress replica,
+one per engine host) appends one JSON line per event, `[wall time, request id, event, value]`, to its own file
+there. Wall time (time.time) is comparable across the processes of one machine, which is where the breakdown is
+taken. When off, `mark` is one attribute test.
 """
 
 from __future__ import annotations
@@ -15,19 +15,20 @@ import time
 from pathlib import Path
 from typing import IO
 
-DIR = os.environ.get("MBD_TRACE_DIR") or None
-_out: IO[str] | None = None
-_lock = threading.Lock()
 
+class Trace:
+    def __init__(self, name: str):
+        d = os.environ.get("MBD_TRACE_DIR")
+        self._out: IO[str] | None = None
+        if d:
+            Path(d).mkdir(parents=True, exist_ok=True)
+            self._out = open(Path(d) / f"{name}-{os.getpid()}.jsonl", "a", buffering=1)
+        self._lock = threading.Lock()  # the engine thread and the event loop both write
 
-def mark(rid: str, event: str, value: float = 0) -> None:
-    """Record `event` of request `rid` now (value: a token count or a duration, per event)."""
-    global _out
-    if DIR is None:
-        return
-    t = time.time()
-    with _lock:
-        if _out is None:
-            Path(DIR).mkdir(parents=True, exist_ok=True)
-            _out = open(Path(DIR) / f"{os.getpid()}.jsonl", "a", buffering=1)
-        _out.write(json.dumps([t, rid, event, value]) + "\n")
+    def mark(self, rid: str, event: str, value: float = 0) -> None:
+        """Record `event` of request `rid` now (value: a token count or a duration, per event)."""
+        if self._out is None:
+            return
+        line = json.dumps([time.time(), rid, event, value]) + "\n"
+        with self._lock:
+            self._out.write(line)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.hf_baseline import TEMPER, PlainBlockDiffusion, random_sdar, to_qwen3  # noqa: E402
 from mbd.config import DecodeConfig, ModelConfig, read_json  # noqa: E402
-from mbd.decoding import Engine  # noqa: E402
+from mbd.decoding import Engine, EngineConfig  # noqa: E402
 from mbd.model import build_model  # noqa: E402
 
 MAX_LEN = 2048  # the engine's max_length: what a server would allocate for, whatever the prompt
@@ -79,7 +79,7 @@ def cell(model, cfg, hf, batch: int, plen: int, tau: float, repeats: int) -> dic
     g = torch.Generator().manual_seed(plen * 100 + batch)
     prompts = torch.randint(0, cfg.vocab_size - 2, (batch, plen), generator=g).tolist()
     B = cfg.block_size
-    systems = {f"ours N_buf={n}": Engine(model, None, decode_config(n, B, tau), max_batch_slots=batch)
+    systems = {f"ours N_buf={n}": Engine(model, None, decode_config(n, B, tau), EngineConfig(max_batch_rows=batch))
                for n in (1, 2, 4)}
     plain = PlainBlockDiffusion(hf, B, cfg.mask_token_id, {cfg.eos_token_id})
 
@@ -128,7 +128,7 @@ def table(size: str, repeats: int, tau: float, batches, blocks, plens) -> list[s
 
 def mixed(size: str, tau: float, repeats: int, n_req: int = 48, slots: int = 16, block: int = 4,
           plen: int = 64) -> dict[str, float]:
-    """Requests with budgets drawn from [32, 256] tokens through `slots` batch slots: our engine refills a
+    """Requests with budgets drawn from [32, 256] tokens through `slots` batch rows: our engine refills a
     freed row with the next request (continuous batching); the plain loop runs lock-step batches of `slots`
     in arrival order, each as long as its longest request. Returns TPS per system (medians, ABAB)."""
     model, cfg = random_sdar(size, block, MAX_LEN)
@@ -136,7 +136,7 @@ def mixed(size: str, tau: float, repeats: int, n_req: int = 48, slots: int = 16,
     g = torch.Generator().manual_seed(11)
     prompts = torch.randint(0, cfg.vocab_size - 2, (n_req, plen), generator=g).tolist()
     budgets = torch.randint(32, NEW + 1, (n_req,), generator=g).tolist()
-    engines = {f"ours N_buf={n}": Engine(model, None, decode_config(n, block, tau), max_batch_slots=slots)
+    engines = {f"ours N_buf={n}": Engine(model, None, decode_config(n, block, tau), EngineConfig(max_batch_rows=slots))
                for n in (1, 2)}
     plain = PlainBlockDiffusion(hf, block, cfg.mask_token_id, {cfg.eos_token_id})
 
@@ -179,7 +179,7 @@ def overhead(size: str, batch: int, block: int, n_buf: int, plen: int, tau: floa
     bare forward timed right after its step on the same buffers and cache (it rewrites only scratch K/V),
     after an untimed one that builds positions and mask if the step changed them."""
     model, cfg = random_sdar(size, block, MAX_LEN)
-    engine = Engine(model, None, decode_config(n_buf, block, tau), max_batch_slots=batch)
+    engine = Engine(model, None, decode_config(n_buf, block, tau), EngineConfig(max_batch_rows=batch))
     g = torch.Generator().manual_seed(7)
     prompts = torch.randint(0, cfg.vocab_size - 2, (batch, plen), generator=g).tolist()
     for p in prompts:
@@ -191,11 +191,9 @@ def overhead(size: str, batch: int, block: int, n_buf: int, plen: int, tau: floa
         for _ in range(steps):
             if not engine.has_unfinished():
                 break
-            run = engine.sched.running.values()
-            b = runner.bucket(engine.sched.rows_needed())
-            k = max(r.n_res for r in run)
-            act = max(r.n_res - r.n_tc for r in run)  # the step's shapes
-            span = runner.span(max(r.cache_len for r in run), k)
+            batch = engine.scheduler.decode_batch()  # the step's shapes
+            b, k, act = batch.rows, batch.slots, batch.active
+            span = runner.span(batch.max_committed, k)
             a = clocks()
             engine.step()
             e = clocks()
@@ -216,7 +214,7 @@ def prefix_latency(size: str, block: int, tau: float, steps: int) -> dict:
     g = torch.Generator().manual_seed(3)
     engines, times = {}, {}
     for plen in (64, 1024):
-        e = Engine(model, None, decode_config(1, block, tau), max_batch_slots=1)
+        e = Engine(model, None, decode_config(1, block, tau), EngineConfig(max_batch_rows=1))
         e.add_request(torch.randint(0, cfg.vocab_size - 2, (plen,), generator=g).tolist())
         e.step()
         engines[plen], times[plen] = e, []
@@ -229,7 +227,7 @@ def prefix_latency(size: str, block: int, tau: float, steps: int) -> dict:
     e = engines[1024]
     c = e.runner.cache
     per_pos = c.nbytes() // (c.num_pages * c.page_size)
-    needed = (int(c.lengths.sum()) + c.rows * e.q) * per_pos
+    needed = (int(c.lengths.sum()) + c.rows * e.runner.q) * per_pos
     return {"ms64": 1e3 * statistics.median(times[64]), "ms1024": 1e3 * statistics.median(times[1024]),
             "alloc": c.nbytes(), "needed": needed, "mapped": e.kv.used() * c.page_size * per_pos}
 
@@ -250,7 +248,7 @@ def buffer_cost(size: str, tau: float, repeats: int, blocks, batches, temper: fl
             n_req = 2 if batch == 1 else batch
             g = torch.Generator().manual_seed(B * 1000 + batch)
             prompts = torch.randint(0, cfg.vocab_size - 2, (n_req, 64), generator=g).tolist()
-            engines = {n: Engine(model, None, decode_config(n, B, tau), max_batch_slots=batch) for n in (1, 2, 4)}
+            engines = {n: Engine(model, None, decode_config(n, B, tau), EngineConfig(max_batch_rows=batch)) for n in (1, 2, 4)}
             for e in engines.values():
                 run_engine(e, prompts[:batch], 2 * B)
             runs: dict[int, list[tuple[Run, float, float]]] = {n: [] for n in engines}
@@ -285,7 +283,7 @@ def admission(size: str, block: int, n_buf: int, tau: float, budgets, steps: int
     g = torch.Generator().manual_seed(5)
     short, prompt = (torch.randint(0, cfg.vocab_size - 2, (n,), generator=g).tolist() for n in (64, long))
     dc = decode_config(n_buf, block, tau).model_copy(update={"max_new_tokens": 1024})
-    engines = {b: Engine(model, None, dc, max_batch_slots=2, prefill_budget=b) for b in (0, *budgets)}
+    engines = {b: Engine(model, None, dc, EngineConfig(max_batch_rows=2, prefill_budget=b)) for b in (0, *budgets)}
     for b, e in engines.items():
         e.add_request(short)
         e.step()
@@ -304,7 +302,7 @@ def admission(size: str, block: int, n_buf: int, tau: float, budgets, steps: int
              "|---|---|---|---|"]
     for b in budgets:
         ratios = [t / t0 for t, t0, c in zip(times[b], times[0], chunked[b]) if c]
-        eff = engines[b].prefill_budget
+        eff = engines[b].scheduler.prefill_budget
         done = "> " * (engines[b].stats.prefill_tokens < 64 + long - long % block) + str(len(ratios))
         lines.append(f"| {b} ({eff}) | {done} | {statistics.median(ratios):.2f} | {max(ratios):.2f} |")
     return lines
@@ -325,7 +323,7 @@ def llada2_mini(repeats: int) -> list[str]:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, cfg.vocab_size - 2, (1, 256), generator=g).tolist()
     B = cfg.block_size
-    engines = {n: Engine(model, None, decode_config(n, B, 0.3), max_batch_slots=1, device="cuda") for n in (1, 2, 4)}
+    engines = {n: Engine(model, None, decode_config(n, B, 0.3), EngineConfig(max_batch_rows=1, device="cuda")) for n in (1, 2, 4)}
     for e in engines.values():
         run_engine(e, prompts, 2 * B)  # warm-up and CUDA Graph capture
     runs: dict[int, list[Run]] = {n: [] for n in engines}

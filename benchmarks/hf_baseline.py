@@ -33,6 +33,7 @@ from mbd.config import DecodeConfig, ModelConfig  # noqa: E402
 from mbd.model import build_model  # noqa: E402
 
 # Random SDAR (Qwen3-style) configs. "60m": 8 layers, d=512, 32,768 vocab, untied head (58.7M parameters).
+# "0.5b": 28 layers, d=1024, 65,536 vocab, untied head (0.49B; the GPU acceptance run's model).
 # "small": 4 layers, d=256 (7.3M). "tiny": 2 layers, d=128, 1,024 vocab (0.6M): what the full benchmark matrix (batch 16, 1,024-token
 # prompts, B=32, 3 repeats) can afford on one CPU thread in 10 minutes.
 SIZES = {
@@ -40,6 +41,8 @@ SIZES = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32),
     "60m": dict(vocab_size=32768, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                 num_attention_heads=8, num_key_value_heads=4, head_dim=64),
+    "0.5b": dict(vocab_size=65536, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=64),
     "small": dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64),
 }
@@ -175,11 +178,11 @@ def singlebd_config(tau: float, max_new_tokens: int, max_length: int) -> DecodeC
 
 def verify(model, cfg: ModelConfig, hf, prompts: list[list[int]], tau: float, max_new: int, max_len: int) -> None:
     """Raise unless the plain loop (batched) and our engine's SingleBD give identical tokens for every prompt."""
-    from mbd.decoding import Engine
+    from mbd.decoding import Engine, EngineConfig
 
     plain = PlainBlockDiffusion(hf, cfg.block_size, cfg.mask_token_id, {cfg.eos_token_id})
     got = plain.generate(prompts, tau, max_new, max_len)
-    engine = Engine(model, None, singlebd_config(tau, max_new, max_len), max_batch_slots=len(prompts))
+    engine = Engine(model, None, singlebd_config(tau, max_new, max_len), EngineConfig(max_batch_rows=len(prompts)))
     want = engine.generate(prompts)
     for i, (g, w) in enumerate(zip(got.token_ids, want)):
         if g != w.token_ids:

@@ -1,7 +1,7 @@
 """Paged KV cache benchmark (issue 17), on the ~60M random SDAR model of benchmarks/decode.py, one torch thread.
 
 1. reuse: 64 requests sharing a 1,024-token prefix (a long system prompt, or the same k-shot exemplars for every
-   problem of an eval sweep) with distinct 32-token suffixes, through 16 batch slots, with and without prefix
+   problem of an eval sweep) with distinct 32-token suffixes, through 16 batch rows, with and without prefix
    reuse, in one run (order ABA...: `--repeats` runs of each, alternating; medians): prompt tokens the model
    computed, share of prefix tokens served from cached pages, TTFT p50 (all requests arrive at once; time to
    the first final token, queueing included), total TPS (generated tokens / wall time, prefill included).
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.hf_baseline import random_sdar  # noqa: E402
 from mbd.config import DecodeConfig  # noqa: E402
-from mbd.decoding import Engine  # noqa: E402
+from mbd.decoding import Engine, EngineConfig  # noqa: E402
 
 BLOCK = 4
 
@@ -47,7 +47,7 @@ def drive(engine: Engine, prompts: list[list[int]], new: int) -> dict:
             out[o.request_id] += o.new_token_ids
             if o.new_token_ids and o.request_id not in first:
                 first[o.request_id] = time.perf_counter() - t0
-        peak = max(peak, sum(r.decoding for r in engine.sched.running.values()))
+        peak = max(peak, sum(r.decoding for r in engine.scheduler.running.values()))
     wall = time.perf_counter() - t0
     tokens = sum(len(v) for v in out.values())
     return {"ttft": statistics.median(first.values()), "tps": tokens / wall, "wall": wall, "peak": peak,
@@ -76,8 +76,8 @@ def med(runs: list[dict], key: str) -> float:
 def reuse(n_req: int, prefix: int, suffix: int, slots: int, new: int, tau: float, repeats: int) -> list[str]:
     model, cfg = random_sdar("60m", BLOCK, 2048)
     dc = DecodeConfig(buffer_size=1, max_new_tokens=new, max_length=2048, max_nfe=100_000, tau_m2t=tau)
-    engines = {"no reuse": Engine(model, None, dc, max_batch_slots=slots, prefix_caching=False),
-               "prefix reuse": Engine(model, None, dc, max_batch_slots=slots)}
+    engines = {"no reuse": Engine(model, None, dc, EngineConfig(max_batch_rows=slots, prefix_caching=False)),
+               "prefix reuse": Engine(model, None, dc, EngineConfig(max_batch_rows=slots))}
 
     def make(r: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(1000 + r)
@@ -99,9 +99,9 @@ def reuse(n_req: int, prefix: int, suffix: int, slots: int, new: int, tau: float
 def capacity(n_req: int, plen: int, new: int, tau: float, repeats: int, max_len: int = 2048) -> list[str]:
     model, cfg = random_sdar("60m", BLOCK, max_len)
     dc = DecodeConfig(buffer_size=1, max_new_tokens=new, max_length=max_len, max_nfe=100_000, tau_m2t=tau)
-    per_row = Engine(model, None, dc, max_batch_slots=8)  # the default pool: every slot can reach max_length
+    per_row = Engine(model, None, dc, EngineConfig(max_batch_rows=8))  # the default pool: every slot can reach max_length
     budget = per_row.runner.cache.nbytes()
-    engines = {"8 slots": per_row, "32 slots": Engine(model, None, dc, max_batch_slots=32, kv_cache_bytes=budget)}
+    engines = {"8 slots": per_row, "32 slots": Engine(model, None, dc, EngineConfig(max_batch_rows=32, kv_cache_bytes=budget))}
 
     def make(r: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(2000 + r)

@@ -186,13 +186,13 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.5)  # the last trace lines reach their files
                 per, engine = load_trace(trace)
                 results[f"{c}/{'stream' if stream else 'json'}"] = breakdown(seen, per, engine,
-                                                                            cfg.model.max_batch_slots) | {
+                                                                            cfg.engine.max_batch_rows) | {
                     "load": load, "cpu_ms_per_request": cpu}
     finally:
         serve.shutdown()
         ray.shutdown()
 
-    print(f"medians in ms; tiny model, max_batch_slots {cfg.model.max_batch_slots}, max_tokens {args.max_tokens}")
+    print(f"medians in ms; tiny model, max_batch_rows {cfg.engine.max_batch_rows}, max_tokens {args.max_tokens}")
     print(f"{'clients/mode':>13} {'load':>5} " + " ".join(f"{h:>9}" for h in HOPS)
           + f" {'busy':>5} {'starved':>7}")
     for k, r in results.items():

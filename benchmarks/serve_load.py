@@ -32,7 +32,7 @@ import torch
 from actors.tp_worker import free_port
 from benchmarks.hf_baseline import SIZES, TEMPER
 from mbd.config import ModelConfig
-from mbd.decoding import Engine
+from mbd.decoding import Engine, EngineConfig
 from mbd.model import build_model, load_checkpoint, save_checkpoint
 from mbd.tiny.task import generate as tiny_problems
 from mbd.tiny.vocab import save_tokenizer, special_token_ids, vocab
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, mcfg = load_checkpoint(path)
     tok = Tokenizer.from_dir(path, mcfg)
-    engine = Engine(model, tok, cfg.decode, max_batch_slots=cfg.model.max_batch_slots)
+    engine = Engine(model, tok, cfg.decode, EngineConfig(max_batch_rows=cfg.engine.max_batch_rows))
     ids = [tok.encode_chat(m) for m in messages]
 
     import ray
@@ -198,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         serve.shutdown()
         ray.shutdown()
 
-    print(f"model {args.size or path.name}, buffer_size {cfg.decode.buffer_size}, max_batch_slots "
-          f"{cfg.model.max_batch_slots}, max_tokens {args.max_tokens}, torch threads 1, Ray CPUs {args.cpus}, "
+    print(f"model {args.size or path.name}, buffer_size {cfg.decode.buffer_size}, max_batch_rows "
+          f"{cfg.engine.max_batch_rows}, max_tokens {args.max_tokens}, torch threads 1, Ray CPUs {args.cpus}, "
           f"best of {args.rounds} alternating rounds; load = 1-min load average during the level "
           f"({os.cpu_count()} CPUs)")
     print("| clients | direct req/s | HTTP req/s | HTTP / direct | p50 direct | p50 HTTP | p50 added | load |")

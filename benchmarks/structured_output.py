@@ -24,8 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mbd.config import DecodeConfig  # noqa: E402
-from mbd.decoding import Engine, EngineSpec, build_engine  # noqa: E402
+from mbd.config import DecodeConfig, EngineConfig  # noqa: E402
+from mbd.decoding import Engine, build_engine  # noqa: E402
 from mbd.decoding.constraints import ConstraintSpec  # noqa: E402
 from pipelines.generate import load_decode_config  # noqa: E402
 
@@ -54,7 +54,7 @@ def tiny(rounds: int, n: int) -> None:
     print(f"{'config':10} {'run':13} {'accuracy':>8} {'TPF':>6} {'TPS':>7} {'matcher share':>13}")
     for name in ("tiny_singlebd", "tiny_multibd"):
         cfg = load_decode_config(ROOT / "configs" / "decode" / f"{name}.yaml")
-        engine = build_engine(EngineSpec(path="mbd/assets/tiny", device="cpu", max_batch_slots=16), cfg)
+        engine = build_engine("mbd/assets/tiny", cfg, EngineConfig(device="cpu", max_batch_rows=16))
         rows: dict[str, list[dict[str, float]]] = {"unconstrained": [], "constrained": []}
         for r in range(rounds):
             order = ["unconstrained", "constrained"] if r % 2 == 0 else ["constrained", "unconstrained"]
@@ -88,7 +88,7 @@ def json_schemas(rounds: int) -> None:
     print(f"{'config':10} {'run':13} {'valid':>8} {'TPF':>6} {'TPS':>7} {'matcher share':>13}")
     for name, kw in (("singlebd", dict(buffer_size=1, tau_add=None)), ("multibd", dict(buffer_size=3, tau_add=0.25))):
         dc = DecodeConfig(max_length=320, max_new_tokens=120, max_nfe=300, tau_semi=0.5, tau_m2t=0.2, **kw)
-        engine = Engine(model, tok, dc, max_batch_slots=32)
+        engine = Engine(model, tok, dc, EngineConfig(max_batch_rows=32))
         rows: dict[str, list[dict[str, float]]] = {"unconstrained": [], "constrained": []}
         for r in range(rounds):
             for kind in (["unconstrained", "constrained"] if r % 2 == 0 else ["constrained", "unconstrained"]):

@@ -5,7 +5,9 @@ and the allowed range, instead of deep inside a forward pass. One way to do each
 - `load_yaml(path, Model, sets=...)` loads every YAML file in `configs/`, with command-line overrides in one
   syntax, `--set key.sub=value` (`apply_sets`; the value is parsed as YAML);
 - `resolve_path` is the one anchor for relative paths (working directory first, then the repository root);
-- `parse_dtype` is the one dtype spelling (float32/bfloat16/float16, fp32/bf16/fp16 accepted as aliases).
+- `parse_dtype` is the one dtype spelling (float32/bfloat16/float16, fp32/bf16/fp16 accepted as aliases);
+- `EngineConfig` holds every engine knob (the `engine:` section of decode, eval and serve YAMLs), `load_decode`
+  reads a decode YAML into its DecodeConfig and EngineConfig.
 Model configs come from a checkpoint's own `config.json` (`ModelConfig.from_hf`).
 """
 
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -122,7 +124,7 @@ class ModelConfig(StrictModel):
         try:
             return cls.model_validate(d)
         except ValidationError as e:
-            raise ConfigError(f"invalid model config.json: {_fmt(e)}") from e
+            raise ConfigError(f"invalid model config.json: {fmt_validation_error(e)}") from e
 
     def to_hf(self) -> dict[str, Any]:
         arch = {v: k for k, v in ARCHITECTURES.items()}[self.family]
@@ -183,7 +185,93 @@ class DecodeConfig(StrictModel):
         return self
 
 
-def _fmt(e: ValidationError) -> str:
+class EngineConfig(StrictModel):
+    """Every knob of the decoding engine (`mbd.decoding.Engine`): where it runs, how many requests it batches,
+    which attention kernel and compilation it uses, and how its KV page pool is sized. One `engine:` section of
+    every decode, eval and serve YAML; `--set engine.attention=flex` changes it from the command line."""
+
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description=(
+        "auto: cuda if available when loading a checkpoint; a model handed to Engine stays where it is"))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(default="auto", description=(
+        "weights and KV cache; auto: bfloat16 on cuda, float32 on cpu (a model handed to Engine keeps its own)"))
+    threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (CPU); None: torch's")
+    max_batch_rows: int = Field(default=8, ge=1, le=1024, description="requests decoded together per step")
+    batch_buckets: list[int] | None = Field(default=None, description=(
+        "batch sizes a forward may run (each a static shape / CUDA Graph); None: powers of two up to max_batch_rows"))
+    attention: Literal["sdpa", "flex"] = Field(default="sdpa", description=(
+        "sdpa: dense bool masks over the key span; flex: FlexAttention BlockMasks that skip invisible key blocks"))
+    compile: Literal["off", "default", "max-autotune"] = Field(default="default", description=(
+        "torch.compile mode of the flex attention kernel (off: eager flex, which materialises the scores)"))
+    cuda_graphs: Literal["auto", "on", "off"] = Field(default="auto", description=(
+        "capture each decode bucket as a CUDA Graph; auto: on cuda when the model is capturable"))
+    prefill_chunk: int = Field(default=512, ge=1, description="prompt tokens per prefill forward (whole blocks)")
+    prefill_budget: int = Field(default=64, ge=0, description=(
+        "prompt tokens a decode step may carry while rows decode (chunked prefill; whole blocks, at least one)"))
+    kv_cache_bytes: int | None = Field(default=None, ge=1, description=(
+        "KV page pool budget (per tensor-parallel rank); None: room for every batch row at max_length"))
+    kv_cache_fraction: float | None = Field(default=None, gt=0, le=0.95, description=(
+        "or: this share of the device memory free once the weights are loaded (host memory on CPU)"))
+    page_size: int | None = Field(default=None, ge=1, description=(
+        "tokens per KV page, a multiple of the block size; None: 16 or one block, whichever is larger"))
+    prefix_caching: bool = Field(default=True, description="reuse committed prefix pages across requests")
+    trace: bool = Field(default=False, description="record every request's per-forward slot states")
+
+    @field_validator("compile", "cuda_graphs", mode="before")
+    @classmethod
+    def _yaml_bools(cls, v: Any, info: ValidationInfo) -> Any:
+        """YAML reads a bare off / on as a bool (`--set engine.compile=off`): take it as the word."""
+        if isinstance(v, bool):
+            return ("default" if info.field_name == "compile" else "on") if v else "off"
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.kv_cache_bytes is not None and self.kv_cache_fraction is not None:
+            raise ValueError("set kv_cache_bytes or kv_cache_fraction, not both")
+        if self.batch_buckets is not None:
+            bad = [b for b in self.batch_buckets if not 1 <= b <= self.max_batch_rows]
+            if bad or self.max_batch_rows not in self.batch_buckets:
+                raise ValueError(f"batch_buckets {self.batch_buckets} must lie in [1, max_batch_rows="
+                                 f"{self.max_batch_rows}] and include max_batch_rows")
+        if self.device == "cpu" and self.cuda_graphs == "on":
+            raise ValueError("cuda_graphs: on needs device cuda (or auto on a machine with a GPU)")
+        return self
+
+    def torch_device(self):
+        """The device a checkpoint is loaded on ("auto": cuda if available)."""
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda", 0) if self.device == "cuda" else torch.device("cpu")
+
+    def torch_dtype(self):
+        """The dtype a checkpoint is loaded in ("auto": bfloat16 on cuda, float32 on cpu)."""
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return parse_dtype(self.dtype)
+
+    def summary(self) -> str:
+        """One line for the start of `mbd serve` / `mbd generate -v`."""
+        return "engine: " + ", ".join(f"{k}={v}" for k, v in self.model_dump().items())
+
+
+def load_decode(path: str | Path, sets: Sequence[str] = ()) -> tuple[DecodeConfig, EngineConfig]:
+    """A decode YAML (`configs/decode/*.yaml`: DecodeConfig fields and an `engine:` section, or a file with a
+    top-level `decode:` section beside `engine:`) with `--set` overrides (`--set engine.attention=flex`,
+    `--set tau_add=0.2`)."""
+    data = apply_sets(read_yaml(path), sets)
+    engine = data.pop("engine", None) or {}
+    decode = data["decode"] if "decode" in data else data
+    if not isinstance(decode, dict) or not isinstance(engine, dict):
+        raise ConfigError(f"{path}: `decode` and `engine` must be mappings of fields")
+    return validate(DecodeConfig, decode, str(path)), validate(EngineConfig, engine, f"{path}: engine")
+
+
+def fmt_validation_error(e: ValidationError) -> str:
+    """Every error of `e` as "field 'a.b': message (got value)"."""
     parts = []
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"]) or "<root>"
@@ -195,7 +283,7 @@ def validate(model: type[T], data: dict[str, Any], source: str = "config") -> T:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(f"{source}: {_fmt(e)}") from e
+        raise ConfigError(f"{source}: {fmt_validation_error(e)}") from e
 
 
 def apply_sets(data: dict[str, Any], items: Sequence[str]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ creates; each term says what it counts.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -159,14 +159,15 @@ def _span_buckets(size: int) -> list[int]:
 
 def layer_activation(cfg: ModelConfig, tp: int, e: int, rows: int, width: int, span: int, attention: str) -> int:
     """Peak transient bytes inside one decoder layer for `rows` x `width` query tokens over `span` keys: hidden
-    states, q/k/v, the gathered K/V of the span, and either attention's scores (SDPA with a boolean mask and
-    grouped K/V runs the math kernel: K/V expanded to every head, scores and their softmax) or the MLP."""
+    states, q/k/v, the gathered K/V of the span, and either attention's intermediates or the MLP's. SDPA with a
+    boolean mask and grouped K/V has no fused CUDA kernel (flash takes no mask, the others no GQA): the math kernel
+    runs, in fp32, with K/V expanded to every head, the scores, their softmax and the mask as additive floats."""
     t, d, hd = rows * width, cfg.hidden_size, cfg.head_dim
     h, kv = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
     hidden = t * (3 * d + h * hd) * e
     attn = 2 * t * (h + 2 * kv) * hd * e + 2 * rows * kv * span * hd * e
-    if attention == "sdpa":
-        attn += 2 * rows * h * span * hd * e + rows * h * width * span * 2 * e
+    if attention == "sdpa":  # the math kernel keeps its intermediates in fp32 (torch's SDPA documentation)
+        attn += 2 * rows * h * span * hd * FP32 + rows * h * width * span * 2 * FP32 + rows * width * span * FP32
     if cfg.num_experts:
         k, ff = cfg.num_experts_per_tok, cfg.moe_intermediate_size // tp
         mlp = t * cfg.num_experts * FP32 * 4 + t * d * e + t * k * (2 * d + 3 * ff) * e // cfg.num_experts
@@ -285,8 +286,8 @@ class TrainShape:
 
 def train_activation(cfg: ModelConfig, shape: TrainShape) -> int:
     """Bytes saved for the backward of one micro-batch (no recomputation): per layer the inputs of every norm
-    (fp32), projection and MLP matmul, q/k/v, and with the dense mask the math kernel's attention probabilities
-    and head-expanded K/V; plus the head's logits of the dual-stream input and the fp32 cross-entropy of its
+    (fp32), projection and MLP matmul, q/k/v, and with the dense mask the math kernel's fp32 attention
+    probabilities and head-expanded K/V; plus the head's logits of the dual-stream input and the fp32 cross-entropy of its
     noisy half."""
     e = 2 if shape.bf16 else FP32
     b, n = shape.micro_batch, 2 * shape.seq_len
@@ -298,9 +299,9 @@ def train_activation(cfg: ModelConfig, shape: TrainShape) -> int:
     else:
         mlp = 4 * cfg.intermediate_size
     layer = t * e * (4 * d + 2 * (h + 2 * kv) * hd + h * hd + mlp) + t * FP32 * 2 * d
-    if shape.attention == "dense":
-        layer += b * h * n * n * e + 2 * b * h * n * hd * e
-    mask = b * n * n if shape.attention == "dense" else 0
+    if shape.attention == "dense":  # the math kernel's fp32 probabilities and head-expanded K/V
+        layer += b * h * n * n * FP32 + 2 * b * h * n * hd * FP32
+    mask = b * n * n * (1 + FP32) if shape.attention == "dense" else 0  # the bool mask and its additive form
     logits = t * cfg.vocab_size * e + b * shape.seq_len * cfg.vocab_size * FP32 * 2
     return cfg.num_hidden_layers * layer + mask + logits
 
@@ -332,8 +333,10 @@ def train_plan(cfg: ModelConfig, shape: TrainShape, device: DeviceMemory) -> Pla
     plan.facts["parameters (all ranks)"] = f"{n_params:,}"
     plan.check_total()
     if plan.reasons and shape.attention == "dense":
-        plan.reasons.append("with the dense mask attention runs the math kernel and keeps every head's [n, n] "
-                            "probabilities for the backward: attention: flex does not")
+        flex = plan.total - plan.item("activations") + train_activation(cfg, replace(shape, attention="flex"))
+        if flex <= device.usable:
+            plan.reasons.append(f"the dense mask runs attention's math kernel, which keeps every head's [n, n] "
+                                f"probabilities for the backward: with attention: flex it needs {gib(flex)}")
     return plan
 
 

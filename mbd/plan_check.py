@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from mbd.config import REPO_ROOT, ConfigError, DecodeConfig, ModelConfig, parse_dtype, read_json, resolve_path
-from mbd.decoding.spec import EngineSpec
+from mbd.config import (REPO_ROOT, ConfigError, DecodeConfig, EngineConfig, ModelConfig, parse_dtype, read_json,
+                        resolve_path)
 from mbd.plan import H100_80GB, DeviceMemory, Plan, ServeShape, TrainShape, refuse_unless_fits, serve_plan, train_plan
 from mbd.train_config import TrainConfig
 
@@ -46,12 +46,18 @@ def device_memory(cuda: bool) -> DeviceMemory:
     return H100_80GB
 
 
-def serve_shape(spec: EngineSpec, tp: int) -> ServeShape:
-    cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
-    dtype = (torch.bfloat16 if cuda else torch.float32) if spec.dtype == "auto" else parse_dtype(spec.dtype)
-    return ServeShape(tp=tp, dtype=dtype, cuda=cuda, max_batch_rows=spec.max_batch_slots,
-                      kv_cache_bytes=spec.kv_cache_bytes, kv_cache_fraction=spec.kv_cache_fraction,
-                      page_size=spec.page_size)
+def serve_shape(engine: EngineConfig, tp: int) -> ServeShape:
+    """The memory-relevant settings of an engine config at tensor-parallel size `tp`."""
+    cuda = engine.device == "cuda" or (engine.device == "auto" and torch.cuda.is_available())
+    dtype = (torch.bfloat16 if cuda else torch.float32) if engine.dtype == "auto" else parse_dtype(engine.dtype)
+    # eager flex materialises the scores as the math kernel does
+    attention = "sdpa" if engine.attention == "flex" and engine.compile == "off" else engine.attention
+    return ServeShape(tp=tp, dtype=dtype, cuda=cuda, max_batch_rows=engine.max_batch_rows,
+                      kv_cache_bytes=engine.kv_cache_bytes, kv_cache_fraction=engine.kv_cache_fraction,
+                      page_size=engine.page_size, attention=attention,
+                      cuda_graphs={"auto": None, "on": True, "off": False}[engine.cuda_graphs],
+                      batch_buckets=tuple(engine.batch_buckets) if engine.batch_buckets else None,
+                      prefill_chunk=engine.prefill_chunk)
 
 
 def train_shape(cfg: TrainConfig, world: int | None = None, zero_stage: int | None = None) -> TrainShape:
@@ -60,11 +66,12 @@ def train_shape(cfg: TrainConfig, world: int | None = None, zero_stage: int | No
                       seq_len=cfg.data.max_length, attention=cfg.attention)
 
 
-def check_serve(spec: EngineSpec, tp: int, decode: DecodeConfig) -> Plan:
-    """Refuse (PlanError) an engine whose plan does not fit one rank's device; the plan otherwise."""
-    mcfg, _ = model_config(spec.path)
-    shape = serve_shape(spec, tp)
-    return refuse_unless_fits(serve_plan(mcfg, decode, shape, device_memory(shape.cuda)), f"model '{spec.path}'")
+def check_serve(path: str, engine: EngineConfig, tp: int, decode: DecodeConfig) -> Plan:
+    """Refuse (PlanError) an engine over the model at `path` whose plan does not fit one rank's device; the plan
+    otherwise."""
+    mcfg, _ = model_config(path)
+    shape = serve_shape(engine, tp)
+    return refuse_unless_fits(serve_plan(mcfg, decode, shape, device_memory(shape.cuda)), f"model '{path}'")
 
 
 def check_train(cfg: TrainConfig) -> Plan | None:

@@ -20,18 +20,20 @@ from pydantic import Field, model_validator
 from mbd.config import StrictModel, load_yaml
 from mbd.multitf.batching import LayoutSection
 from mbd.multitf.objectives import ObjectiveSection
+from mbd.storage import join
 
 class RunSection(StrictModel):
     """Where Ray Train keeps checkpoints; re-running with the same name and storage_path resumes."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
-    storage_path: str = Field(default="runs", description="local directory or a cluster filesystem URI")
+    storage_path: str = Field(default="runs", description="local directory or a filesystem URI every node sees "
+                              "(file://, s3://, ...; mbd/storage.py)")
     keep_checkpoints: int = Field(default=2, ge=1)
     export_dir: str | None = Field(default=None, description="HF export; default <storage_path>/<name>/export")
 
     @property
     def run_dir(self) -> str:
-        return f"{self.storage_path.rstrip('/')}/{self.name}"
+        return join(self.storage_path, self.name)
 
 
 class DataSection(StrictModel):

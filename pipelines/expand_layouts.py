@@ -49,6 +49,7 @@ import pyarrow.parquet as pq
 import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mbd import storage
 from mbd.config import apply_sets, read_yaml, validate
 from mbd.multitf.corrupt import ROW_SCHEMA
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
@@ -69,7 +70,7 @@ class ExpandConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     inputs: list[str] = Field(min_length=1, description="JSONL/Parquet files or directories")
-    output_dir: str
+    output_dir: str = Field(description="a local directory or a filesystem URI every node sees (file://, s3://, ...)")
     model_dir: str = Field(description="directory with config.json and tokenizer.json")
     block_size: int | None = Field(default=None, gt=0, description="B; default: the model's block_size")
     max_length: int = Field(default=2048, gt=0, description="padded prompt + response tokens")
@@ -256,19 +257,20 @@ def run_expand(cfg: ExpandConfig) -> ExpandSummary:
     good = tokenized.map_batches(select, batch_format="pyarrow", fn_kwargs=dict(bad=False))
     bad = tokenized.map_batches(select, batch_format="pyarrow", fn_kwargs=dict(bad=True)).materialize()
 
-    out = Path(cfg.output_dir)
-    rows_dir, quarantine_dir = out / "rows", out / "quarantine"
+    # output_dir: a local path or a URI every node sees (mbd/storage.py); Ray Data writes through its filesystem
+    rows_dir, quarantine_dir = storage.join(cfg.output_dir, "rows"), storage.join(cfg.output_dir, "quarantine")
+    fs, rows_path = storage.filesystem(rows_dir)
     good.map_batches(
         expand_batch, batch_format="pyarrow", batch_size=cfg.sequences_per_task,
         fn_kwargs=dict(cfg_json=cfg.model_dump_json(), block_size=block_size, mask_token_id=model_cfg.mask_token_id),
-    ).write_parquet(str(rows_dir))
+    ).write_parquet(rows_path, filesystem=fs)
     quarantined = bad.count()
     reasons = Counter(r for b in bad.select_columns(["reason"]).iter_batches(batch_format="pyarrow")
                       for r in b.column("reason").to_pylist())
     if quarantined:
-        bad.write_json(str(quarantine_dir))
+        bad.write_json(storage.filesystem(quarantine_dir)[1], filesystem=fs)
     elapsed = time.perf_counter() - start
-    rows_out = sum(pq.ParquetFile(f).metadata.num_rows for f in rows_dir.glob("*.parquet"))
+    rows_out = sum(pq.ParquetFile(f, filesystem=fs).metadata.num_rows for f in storage.list_files(rows_dir, ".parquet"))
     sequences_in = tokenized.count()
     return ExpandSummary(
         sequences_in=sequences_in, sequences_ok=sequences_in - quarantined, quarantined=quarantined,

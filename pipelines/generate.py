@@ -3,6 +3,7 @@
     mbd generate --model DIR --config configs/decode/tiny_multibd.yaml "3*4+2*7-5"
     mbd generate --config configs/decode/tiny_singlebd.yaml --prompt-file prompts.txt --json
     mbd generate --config configs/decode/tiny_multibd.yaml --stream "3*4+2*7-5"
+    mbd generate --config configs/decode/tiny_multibd.yaml --set engine.attention=flex -v "3*4+2*7-5"
 
 A prompt file holds one prompt per line (`.jsonl`: one {"prompt": ...} object per line). Prompts are
 wrapped in the model's chat format unless --raw. Thin on purpose: everything happens in mbd.decoding.
@@ -15,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from mbd.config import REPO_ROOT, ConfigError, DecodeConfig, load_yaml, read_yaml
+from mbd.config import REPO_ROOT, ConfigError, DecodeConfig, load_decode
 
 __all__ = ["load_decode_config", "main"]  # what other pipelines may use
 
@@ -43,9 +44,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def load_decode_config(path: str | Path) -> DecodeConfig:
-    """A flat DecodeConfig YAML (configs/decode/*.yaml) or a file with a top-level `decode:` section."""
-    data = read_yaml(path)
-    return load_yaml(path, DecodeConfig, section="decode" if "decode" in data else None)
+    """The decoding parameters of a decode YAML (`mbd.config.load_decode`), without its `engine:` section."""
+    return load_decode(path)[0]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -60,24 +60,28 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--stream", action="store_true", help="print text as blocks commit (one prompt)")
     ap.add_argument("--json", action="store_true", help="one JSON result per line")
     ap.add_argument("--trace", action="store_true", help="include per-step slot states in --json output")
-    ap.add_argument("--max-batch-slots", type=int, default=8)
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if available")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field: --set tau_add=0.2, --set engine.attention=flex")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print the engine configuration first")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from mbd.decoding import EngineSpec, build_engine  # after argument parsing: `--help` stays instant
+    from mbd.decoding import build_engine  # after argument parsing: `--help` stays instant
     from mbd.hub import resolve_model  # huggingface_hub too
 
     try:
-        cfg = load_decode_config(args.config)
+        cfg, engine_cfg = load_decode(args.config, args.sets)
+        if args.trace:
+            engine_cfg = engine_cfg.model_copy(update={"trace": True})
         prompts = read_prompts(args)
         model_dir = resolve_model(args.model) if args.model else TINY_DIR
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"--model {model_dir}: not a checkpoint directory (config.json missing)")
-        spec = EngineSpec(path=str(model_dir), device=args.device, max_batch_slots=args.max_batch_slots)
-        engine = build_engine(spec, cfg, trace=args.trace)
+        if args.verbose:
+            print(f"mbd generate: {engine_cfg.summary()}", file=sys.stderr, flush=True)
+        engine = build_engine(model_dir, cfg, engine_cfg)
         if engine.tokenizer is None:
             raise ConfigError(f"--model {model_dir}: tokenizer.json missing; text prompts need a tokenizer")
     except (ConfigError, ValueError) as e:

@@ -18,14 +18,13 @@ from mbd.train_config import TrainConfig
 
 
 def plan_serve(data: dict, model_override: str | None, memory: DeviceMemory | None) -> tuple[list[Plan], list[str], int, str]:
-    from mbd.config import DecodeConfig
-    from mbd.decoding.spec import EngineSpec
+    from mbd.config import DecodeConfig, EngineConfig
 
     model = dict(data.get("model") or {})
-    own_tp = int(model.pop("tensor_parallel_size", 1))
-    spec = EngineSpec.model_validate({k: v for k, v in model.items() if k in EngineSpec.model_fields})
+    own_tp, path = int(model.get("tensor_parallel_size", 1)), str(model.get("path", ""))
+    spec = validate(EngineConfig, data.get("engine") or {}, "engine")
     decode = validate(DecodeConfig, data.get("decode") or {}, "decode")
-    mcfg, source = model_config(spec.path, model_override)
+    mcfg, source = model_config(path, model_override)
     shape = serve_shape(spec, own_tp)
     memory = memory or device_memory(shape.cuda)
     tps = sorted({1, 2, own_tp}) if shape.cuda else [own_tp]
@@ -49,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mbd plan", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="a configs/serve/*.yaml or configs/train/*.yaml file")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config field, e.g. --set model.max_batch_slots=64")
+                    help="override a config field, e.g. --set engine.max_batch_rows=64")
     ap.add_argument("--model-config", help="a config.json to plan instead of the model directory's")
     ap.add_argument("--device-gib", type=float, help="plan for a device of this many GiB (default: this machine's "
                                                      "GPU, else an 80 GB H100; host memory for CPU configs)")

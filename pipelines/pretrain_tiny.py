@@ -120,7 +120,7 @@ def pretrain(cfg: PretrainConfig, out: Path, show_progress: bool = True) -> dict
 def evaluate(model_dir: Path, n: int) -> dict:
     """Held-out exact match and TPF of the exported model under SingleBD and training-free MultiBD
     (greedy, CPU fp32, the first n problems of the `tinymath` benchmark)."""
-    from mbd.decoding import EngineSpec, build_engine
+    from mbd.decoding import EngineConfig, build_engine
     from mbd.tiny.benchmark import TinyMath
     from pipelines.generate import load_decode_config
 
@@ -128,8 +128,8 @@ def evaluate(model_dir: Path, n: int) -> dict:
     problems = bench.load(limit=n)
     out: dict = {"heldout_seed": bench.seed}
     for name, path in DECODE_CONFIGS.items():
-        engine = build_engine(EngineSpec(path=str(model_dir), device="cpu", max_batch_slots=16),
-                              load_decode_config(resolve_path(path)))
+        engine = build_engine(model_dir, load_decode_config(resolve_path(path)),
+                              EngineConfig(device="cpu", dtype="float32", max_batch_rows=16))
         results = engine.generate([p.prompt_text for p in problems])
         correct = sum(bench.score(p, r.text).correct for p, r in zip(problems, results))
         generated, nfe = sum(r.num_generated for r in results), sum(r.nfe for r in results)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import psutil
 
+__all__ = ["descendants", "end_processes", "still_running"]
+
 
 def descendants(pids: list[int]) -> list[psutil.Process]:
     """The live processes among `pids` and all their descendants (take it before the parents end: orphans are

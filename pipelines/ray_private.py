@@ -16,6 +16,8 @@ from typing import Any, Callable
 HOOK = "print_to_stdstream"
 HOOK_PARAMS = ["data", "ignore_prefix"]
 
+__all__ = ["HOOK", "HOOK_PARAMS", "route_cluster_messages"]
+
 
 def _worker_module() -> Any:
     import ray

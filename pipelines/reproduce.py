@@ -45,9 +45,9 @@ from mbd.eval.report import MethodRow, method_table
 from mbd.eval.sweep import ResultStore
 from mbd.multitf.layouts import num_layouts
 from pipelines.ray_session import ray_session
-from pipelines.stages import (BENCHMARK, DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, MethodSpec, QuickstartConfig, Stages,
-                              curves_of, expand_stage, load_config, point_name, rows_of, section_title, sweep_config,
-                              train_stage, write_corpus)
+from pipelines.stages import (BENCHMARK, DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, ExpandSection, MethodSpec,
+                              QuickstartConfig, Stages, curves_of, expand_stage, load_config, point_name, rows_of,
+                              section_title, sweep_config, train_stage, write_corpus)
 
 __all__ = ["run_reproduce", "main"]
 
@@ -62,12 +62,12 @@ CHECKPOINT_EVERY = 100  # steps between Ray Train checkpoints: what an interrupt
 class Variant(NamedTuple):
     label: str
     scheduler: str
-    layouts: str  # "both" | "systematic" | "random"
+    layouts: str  # "both" | "systematic" | "random" | "d2f" (the authors' D2F rows: one group, no layouts)
 
 
 VARIANTS: dict[str, Variant] = {
     "chain": Variant("MBD: chain-uniform, systematic + random (ours)", "chain_uniform", "both"),
-    "d2f": Variant("MBD: D2F-style monotonic scheduler", "d2f", "both"),
+    "d2f": Variant("MBD: D2F-style monotonic scheduler", "linear", "d2f"),
     "random": Variant("MBD: random scheduler", "random", "both"),
     "sorted": Variant("MBD: sorted-uniform scheduler", "sorted_uniform", "both"),
     "systematic": Variant("MBD: systematic layouts only", "chain_uniform", "systematic"),
@@ -81,6 +81,15 @@ def keep_random_layouts(batch: pa.Table) -> pa.Table:
     return batch.filter(pc.equal(batch["layout_kind"], "random"))
 
 
+def variant_expand(cfg: QuickstartConfig, name: str) -> ExpandSection:
+    """The quickstart's expansion settings with variant `name`'s scheduler and group-layouts."""
+    v = VARIANTS[name]
+    n_rand = {"both": cfg.expand.n_rand, "systematic": 0, "d2f": 0,
+              "random": num_layouts(cfg.expand.gmax, 0)}[v.layouts]
+    return cfg.expand.model_copy(update={"n_rand": n_rand, "mode": "d2f" if v.layouts == "d2f" else "multitf",
+                                         "scheduler": cfg.expand.scheduler.model_copy(update={"name": v.scheduler})})
+
+
 def expand_variant(cfg: QuickstartConfig, run: Path, base: Path, name: str) -> str:
     """Rows of one variant (skipped when its expand.json exists); returns the rows directory."""
     import ray
@@ -90,10 +99,7 @@ def expand_variant(cfg: QuickstartConfig, run: Path, base: Path, name: str) -> s
     if done.is_file():
         print(f"    stored: {out}")
         return json.loads(done.read_text())["rows_dir"]
-    n_rand = {"both": cfg.expand.n_rand, "systematic": 0,
-              "random": num_layouts(cfg.expand.gmax, 0)}[v.layouts]
-    expand = cfg.expand.model_copy(update={"n_rand": n_rand,
-                                           "scheduler": cfg.expand.scheduler.model_copy(update={"name": v.scheduler})})
+    expand = variant_expand(cfg, name)
     summary = expand_stage(cfg, run / "corpus" / "train.jsonl", out / ("all" if v.layouts == "random" else ""),
                            base, expand)
     rows_dir = summary.rows_dir
@@ -101,7 +107,7 @@ def expand_variant(cfg: QuickstartConfig, run: Path, base: Path, name: str) -> s
         rows_dir = str(out / "rows")
         ray.data.read_parquet(summary.rows_dir).map_batches(keep_random_layouts, batch_format="pyarrow") \
             .write_parquet(rows_dir)
-        print(f"    kept the {n_rand} random layouts per sequence -> {rows_dir}")
+        print(f"    kept the {expand.n_rand} random layouts per sequence -> {rows_dir}")
     done.write_text(json.dumps({"rows_dir": rows_dir, **summary.model_dump()}, indent=2))
     return rows_dir
 

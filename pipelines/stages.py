@@ -12,11 +12,11 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 from pydantic import Field, model_validator
 
-from mbd.config import REPO_ROOT, DecodeConfig, StrictModel, load_yaml, resolve_path, validate
+from mbd.config import REPO_ROOT, DecodeConfig, StrictModel, load_decode, load_yaml, resolve_path, validate
 from mbd.eval.claims import Curve, load_curve
 from mbd.eval.report import CellMetrics, Method, MethodRow, method_rows
 from mbd.eval.sweep import ResultStore
@@ -39,6 +39,7 @@ class CorpusSection(StrictModel):
 
 
 class ExpandSection(StrictModel):
+    mode: Literal["multitf", "d2f"] = Field(default="multitf", description="d2f: the authors' D2F ablation rows")
     gmax: int = Field(default=4, ge=2)
     n_rand: int = Field(default=2, ge=0)
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -74,12 +75,12 @@ class EvalSection(StrictModel):
 
     def overrides(self, path: str) -> list[dict[str, Any]]:
         """The curve of the method decoding with `path`: `curve`, plus `multibd_curve` when it is MultiBD."""
-        base = load_yaml(resolve_path(path), DecodeConfig)
+        base = load_decode(resolve_path(path))[0]
         return self.curve + (self.multibd_curve if base.buffer_size > 1 else [])
 
     def points(self, path: str) -> list[DecodeConfig]:
         """The curve's DecodeConfigs for one decode YAML (fails naming the bad override)."""
-        base = load_yaml(resolve_path(path), DecodeConfig)
+        base = load_decode(resolve_path(path))[0]
         return [validate(DecodeConfig, {**base.model_dump(), **o}, f"eval curve point {i} ({o}) on {path}")
                 for i, o in enumerate(self.overrides(path))]
 
@@ -154,8 +155,8 @@ def expand_stage(cfg: QuickstartConfig, corpus: Path, out: Path, base: Path, exp
 
     e = expand or cfg.expand
     summary = run_expand(ExpandConfig(
-        inputs=[str(corpus)], output_dir=str(out), model_dir=str(base), max_length=e.max_length, gmax=e.gmax,
-        n_rand=e.n_rand, scheduler=e.scheduler, seed=cfg.seed, sequences_per_task=e.sequences_per_task))
+        inputs=[str(corpus)], output_dir=str(out), model_dir=str(base), max_length=e.max_length, mode=e.mode,
+        gmax=e.gmax, n_rand=e.n_rand, scheduler=e.scheduler, seed=cfg.seed, sequences_per_task=e.sequences_per_task))
     print(f"    {summary.sequences_ok} sequences x {summary.layouts_per_sequence} group-layouts = {summary.rows_out} "
           f"rows ({summary.rows_per_s:.0f} rows/s) -> {summary.rows_dir}; quarantined {summary.quarantined}")
     if summary.quarantined:
@@ -210,7 +211,7 @@ def sweep_config(cfg: QuickstartConfig, out: Path, models: Sequence[tuple[str, P
         "name": out.parent.name, "output_dir": str(out),
         "models": [{"name": n, "path": str(p), "section": "tiny"} for n, p in models],
         "decoding": decoding, "benchmarks": [{"name": BENCHMARK, "limit": cfg.eval.problems}],
-        "batch_size": cfg.eval.batch_size, "trace_problems": cfg.eval.trace_problems, "device": "cpu",
+        "engine": {"device": "cpu", "max_batch_rows": cfg.eval.batch_size}, "trace_problems": cfg.eval.trace_problems,
         "workers": 1, "cpus_per_worker": 1, "cpus_per_scorer": 0.5,
     })
 

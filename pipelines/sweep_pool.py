@@ -82,9 +82,9 @@ def alive_nodes() -> dict[str, dict[str, float]]:
 def device_and_decoders(cfg: SweepConfig) -> tuple[str, int]:
     """The decoding device and the number of decoder actors asked for (one per GPU by default)."""
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    device = cfg.device if cfg.device != "auto" else ("cuda" if gpus else "cpu")
+    device = cfg.engine.device if cfg.engine.device != "auto" else ("cuda" if gpus else "cpu")
     if device == "cuda" and gpus == 0:
-        raise ConfigError("device: cuda but the Ray cluster has no GPU; use device: cpu (or auto)")
+        raise ConfigError("engine.device: cuda but the Ray cluster has no GPU; use device: cpu (or auto)")
     return device, cfg.workers or (gpus if device == "cuda" else 1)
 
 
@@ -135,6 +135,8 @@ class DecoderPool:
             self.cfg, self.max_decoders, ray.available_resources().get("CPU", 0.0))
         shape = plan_shape(self.cfg, self.device, self.max_decoders, scorers, list(nodes.values()), shrink)
         pg = placement_group(shape.bundles(), strategy="SPREAD", name=f"mbd-eval-{self.cfg.name}")
+        print(f"mbd eval: reserving {shape.describe()} on {len(nodes)} node(s) (at most "
+              f"{self.reserve_timeout_s:g}s)", file=sys.stderr, flush=True)
         try:
             ray.get(pg.ready(), timeout=self.reserve_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -145,10 +147,12 @@ class DecoderPool:
                                  f"work holds the rest") from None
         self.pg, self.nodes = pg, set(nodes)
         strategy = lambda i: PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)  # noqa: E731
-        threads = max(1, int(self.cfg.cpus_per_worker)) if self.device == "cpu" else None
+        threads = self.cfg.engine.threads or (max(1, int(self.cfg.cpus_per_worker)) if self.device == "cpu" else None)
+        engine = self.cfg.engine.model_copy(update={"device": self.device, "threads": threads,
+                                                    "trace": self.cfg.trace_problems > 0})
         self.workers = [EvalWorker.options(num_cpus=self.cfg.cpus_per_worker, num_gpus=shape.decoder.get("GPU", 0),
                                            scheduling_strategy=strategy(i), max_restarts=0)
-                        .remote(self.device, self.cfg.batch_size, self.cfg.trace_problems > 0, threads)
+                        .remote(engine)
                         for i in range(shape.decoders)]
         placed = placement_group_table(pg).get("bundles_to_node_id", {})
         self.log({"event": "reserved", "shape": shape.describe(), "nodes_alive": len(nodes),

@@ -46,7 +46,9 @@ import ray
 import torch
 from pydantic import BaseModel
 from ray.data.collate_fn import NumpyBatchCollateFn
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from mbd import storage
 from mbd.config import ConfigError, ModelConfig, load_yaml, read_json
 from mbd.multitf.batching import Batch, OnTheFlyRows, StepSampler, collate, rows_to_columns
 from mbd.multitf.objectives import compute_objective, loss_stats, stats_metrics, stats_size
@@ -318,7 +320,8 @@ def build_trainer(cfg: TrainConfig, config: dict[str, Any], datasets: dict):
 
     scaling = ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                             resources_per_worker=None if cfg.use_gpu else {"CPU": cfg.cpus_per_worker})
-    run = RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
+    fs, path = storage.filesystem(cfg.run.storage_path)  # a URI's own options (endpoint, ...) go to the filesystem
+    run = RunConfig(name=cfg.run.name, storage_path=path, storage_filesystem=fs,
                     failure_config=FailureConfig(max_failures=cfg.max_failures),
                     checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints))
     return TorchTrainer(train_loop, train_loop_config=config, scaling_config=scaling, run_config=run,
@@ -368,7 +371,9 @@ def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
         init_ray()
     start = time.perf_counter()
     datasets, sequences, probe_rows, skipped = prepare_data(cfg, mcfg)
-    progress = Progress.remote()
+    # on the driver's node: a worker node that is lost must not take the run's step log with it
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    progress = Progress.options(scheduling_strategy=here).remote()
     config = {"cfg": cfg.model_dump(mode="json"), "progress": progress, "sequences": sequences,
               "probe_rows": probe_rows, "parquet_rows": datasets["train"].count() if datasets else 0}
     trainer = build_trainer(cfg, config, datasets)
@@ -390,13 +395,11 @@ def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
     export_dir = None
     checkpoint = outcome["result"].checkpoint
     if checkpoint is not None:
-        export_dir = cfg.run.export_dir or f"{cfg.run.run_dir}/export"
-        with checkpoint.as_directory() as d:
-            export_checkpoint(Path(d), Path(export_dir))
-    if "://" not in cfg.run.storage_path:
-        Path(cfg.run.run_dir).mkdir(parents=True, exist_ok=True)
-        with open(Path(cfg.run.run_dir) / "metrics.jsonl", "a") as fh:
-            fh.writelines(json.dumps(m) + "\n" for m in history)
+        export_dir = cfg.run.export_dir or storage.join(cfg.run.run_dir, "export")
+        with checkpoint.as_directory() as d, storage.local_dir_for(export_dir) as out:
+            export_checkpoint(Path(d), out)
+    lines = "".join(json.dumps(m) + "\n" for m in history)
+    storage.append_text(storage.join(cfg.run.run_dir, "metrics.jsonl"), lines)
     steps = [m for m in history if "loss" in m]
     return TrainSummary(run_dir=cfg.run.run_dir, last_step=int(steps[-1]["step"]) if steps else 0,
                         checkpoint=checkpoint.path if checkpoint is not None else None, export_dir=export_dir,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 from actors.decoder import Delta
-from actors.trace import mark
+from actors.trace import Trace
 from mbd.detokenize import TextStream
 from serve_app.protocol import MBDStats, PromptTokensDetails, Usage
 
@@ -39,8 +39,8 @@ class Choice:
     `cancel` aborts it."""
 
     def __init__(self, rid: str, index: int, prompt: list[int], text: TextStream, deltas: AsyncIterator[Delta],
-                 cancel: Callable[[], None], first: Delta):
-        self.rid, self.index, self.prompt, self.text = rid, index, prompt, text
+                 cancel: Callable[[], None], first: Delta, trace: Trace):
+        self.rid, self.index, self.prompt, self.text, self.trace = rid, index, prompt, text, trace
         self.deltas, self.cancel = deltas, cancel
         self.first = self.last = first
         self.logprobs: list[float] = []
@@ -70,7 +70,7 @@ class Choice:
             d: Delta | None = self.first
             while d is not None:
                 received += len(d.token_ids)
-                mark(self.rid, "delta", received)
+                self.trace.mark(self.rid, "delta", received)
                 self.last = d
                 self.logprobs += d.logprobs or []
                 self.top_logprobs += d.top_logprobs or []
@@ -88,6 +88,10 @@ class Choice:
         finally:
             if not done:
                 self.cancel()
+
+    def mark_sent(self) -> None:
+        """The client's event with this choice's tokens so far is leaving (for the time breakdown)."""
+        self.trace.mark(self.rid, "sent", self.sent)
 
     def _push(self, ids: list[int]) -> tuple[str, int]:
         return self.text.push(ids), self.text.released_tokens

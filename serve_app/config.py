@@ -7,12 +7,13 @@ scaling knobs and the HTTP front door. Bad values fail at `mbd serve` time, nami
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import Field, model_validator
 
 from actors.tp_worker import ModelSpec
-from mbd.config import DecodeConfig, StrictModel, load_yaml
+from mbd.config import DecodeConfig, EngineConfig, StrictModel, load_yaml
 
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
@@ -74,6 +75,7 @@ class HTTPSpec(StrictModel):
 
 class ServeConfig(StrictModel):
     model: ModelSpec
+    engine: EngineConfig = EngineConfig()
     decode: DecodeConfig = DecodeConfig()
     limits: RequestLimits = RequestLimits()
     decoder: DecoderDeployment = DecoderDeployment()
@@ -82,12 +84,19 @@ class ServeConfig(StrictModel):
 
     @model_validator(mode="after")
     def _rows_can_fill(self) -> "ServeConfig":
-        if self.decoder.max_ongoing_requests < self.model.max_batch_slots:
+        if self.decoder.max_ongoing_requests < self.engine.max_batch_rows:
             raise ValueError(f"decoder.max_ongoing_requests={self.decoder.max_ongoing_requests} leaves batch rows "
-                             "empty: a replica must accept at least model.max_batch_slots="
-                             f"{self.model.max_batch_slots} requests")
+                             "empty: a replica must accept at least engine.max_batch_rows="
+                             f"{self.engine.max_batch_rows} requests")
+        return self
+
+    @model_validator(mode="after")
+    def _devices(self) -> "ServeConfig":
+        if self.engine.device == "cuda" and self.model.num_gpus_per_rank < 1:
+            raise ValueError("engine.device cuda needs model.num_gpus_per_rank: 1 (one GPU per tensor-parallel rank)")
         return self
 
 
-def load_serve_config(path: str | Path) -> ServeConfig:
-    return load_yaml(path, ServeConfig)
+def load_serve_config(path: str | Path, sets: Sequence[str] = ()) -> ServeConfig:
+    """The serve YAML with `--set` overrides (`--set engine.attention=flex`)."""
+    return load_yaml(path, ServeConfig, sets=sets)

@@ -2,7 +2,8 @@
 
 The checks here are the ones only the HTTP layer can make: which model the request names, fields OpenAI has
 and a diffusion LM cannot honour, and this deployment's limits (max_tokens, temperature, Block Buffer, choices).
-Prompt ids go through the engine's own request check, re-worded to name the HTTP field.
+Prompt ids and the whole request go through the engine's own check (`mbd.decoding.validate`, against the limits
+a decoder replica reports), in the HTTP field names.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pydantic import ValidationError
 
 from mbd.config import DecodeConfig, ModelConfig
 from mbd.decoding.constraints import ConstraintError, ConstraintSpec, GrammarVocab
+from mbd.decoding.validate import EngineLimits, RequestError, validate_prompt, validate_request
 from mbd.tokenizer import Tokenizer, TokenizerError
 from serve_app.config import ServeConfig
 from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, field_path
@@ -21,8 +23,11 @@ MBD_FIELDS = ("buffer_size", "tau_add", "tau_semi", "tau_stable", "tau_m2t", "ta
 
 
 class RequestConverter:
+    """`limits`: the engine's, as a decoder replica reports them (the ingress sets them before the first request)."""
+
     def __init__(self, cfg: ServeConfig, model_cfg: ModelConfig, tok: Tokenizer):
         self.cfg, self.model_cfg, self.tok = cfg, model_cfg, tok
+        self.limits: EngineLimits | None = None
         self.name = cfg.model.name
         self.max_len = min(cfg.decode.max_length, model_cfg.max_position_embeddings)
         self._grammar: GrammarVocab | None = None
@@ -88,17 +93,16 @@ class RequestConverter:
         return ids
 
     def check_ids(self, ids: list[int], field: str) -> None:
-        if not ids:
-            raise APIError(400, f"'{field}' is empty: send at least one token", field)
-        bad = next((t for t in ids if not 0 <= t < self.model_cfg.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"'{field}' has token id {bad} outside [0, {self.model_cfg.vocab_size})", field)
-        if self.model_cfg.mask_token_id in ids:
-            raise APIError(400, f"'{field}' contains the mask token (id {self.model_cfg.mask_token_id}), which is "
-                                "reserved for diffusion decoding", field)
+        """The engine's prompt check, then this deployment's context (a 400 with OpenAI's code for it)."""
+        assert self.limits is not None, "the ingress sets the engine's limits before converting requests"
+        try:
+            validate_prompt(ids, self.limits, {"prompt_ids": field})
+        except RequestError as e:
+            raise APIError(400, str(e), e.field) from e
         if len(ids) >= self.max_len:
             raise APIError(400, f"'{field}' is {len(ids)} tokens; this model's context is {self.max_len} tokens, "
-                                f"so at most {self.max_len - 1} prompt tokens fit", field, code="context_length_exceeded")
+                                f"so at most {self.max_len - 1} prompt tokens fit", field,
+                           code="context_length_exceeded")
 
     # ---- structured output (runs in the tokenizer pool: compiling a schema takes milliseconds) ----
 
@@ -138,6 +142,15 @@ class RequestConverter:
         return out
 
     # ---- decoding parameters ----
+
+    def check_request(self, ids: list[int], params: DecodeConfig, prompt_field: str, req: SamplingFields) -> None:
+        """The engine's whole request check (room to generate, the KV pool, the Block Buffer) in HTTP names."""
+        assert self.limits is not None
+        names = {"prompt_ids": prompt_field, "max_new_tokens": req.token_limit()[1]}
+        try:
+            validate_request(ids, params, self.cfg.decode, self.limits, names)
+        except RequestError as e:
+            raise APIError(400, str(e), e.field) from e
 
     def check_choices(self, req: SamplingFields, n_prompts: int) -> None:
         if n_prompts * req.n > self.cfg.limits.max_choices:

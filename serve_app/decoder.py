@@ -10,9 +10,9 @@ from ray import serve
 
 from actors.decoder import Delta, EngineHost
 from actors.tp_worker import ModelSpec
-from actors.trace import mark
-from mbd.config import DecodeConfig
+from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.constraints import ConstraintSpec
+from mbd.decoding.validate import EngineLimits
 from serve_app.metrics import DecoderMetrics
 
 
@@ -22,16 +22,19 @@ class Decoder:
     one final Delta, so a non-streaming request costs one Ray stream item (and one wake-up) instead of one per
     block."""
 
-    def __init__(self, spec: ModelSpec, decode: DecodeConfig):
+    def __init__(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig):
         self.metrics = DecoderMetrics()
-        self.host = EngineHost(spec, decode, on_step=self.metrics.update)
+        self.host = EngineHost(spec, decode, engine, on_step=self.metrics.update)
 
     async def generate(self, prompt_ids: list[int], params: DecodeConfig, per_block: bool = True,
                        rid: str | None = None, constraint: ConstraintSpec | None = None) -> AsyncIterator[Delta]:
-        mark(rid or "-", "arrive")
+        self.host.trace.mark(rid or "-", "arrive")
         self.host.validate(prompt_ids, params, constraint)
         async for d in self.host.generate(prompt_ids, params, rid, per_block, constraint):
             yield d
+
+    def limits(self) -> EngineLimits:
+        return self.host.limits()
 
     def check_health(self) -> None:
         self.host.check()

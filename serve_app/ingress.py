@@ -22,7 +22,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from actors.decoder import Delta, EngineDead
-from actors.trace import mark
+from actors.trace import Trace
 from mbd.config import DecodeConfig, ModelConfig, read_json
 from mbd.decoding.constraints import ConstraintSpec
 from mbd.detokenize import TextStream
@@ -74,6 +74,7 @@ async def _first(gen: DeploymentResponseGenerator) -> Delta:
 class OpenAIIngress:
     def __init__(self, decoder: DeploymentHandle, cfg: ServeConfig):
         self.decoder = decoder.options(stream=True)
+        self._decoder = decoder
         self.cfg = cfg
         path = cfg.model.resolved_path()
         model_cfg = ModelConfig.from_hf(read_json(path / "config.json"))
@@ -82,6 +83,7 @@ class OpenAIIngress:
         self.name = cfg.model.name
         self.max_len = self.convert.max_len
         self.metrics = IngressMetrics()
+        self.trace = Trace("ingress")
         # tokenization and detokenization run here, so that one huge prompt cannot stall the event loop
         self.pool = ThreadPoolExecutor(cfg.ingress.tokenizer_threads, thread_name_prefix="mbd-tokenize")
 
@@ -89,6 +91,15 @@ class OpenAIIngress:
         from serve_app.routes import http_app
 
         return http_app(self, api_key=self.cfg.http.api_key or os.environ.get("MBD_API_KEY") or None)
+
+    async def _limits(self) -> None:
+        """The engine's limits, asked of a decoder replica once (every replica serves the same model and config)."""
+        if self.convert.limits is None:
+            try:
+                self.convert.limits = await self._decoder.limits.remote()
+            except Exception as e:  # noqa: BLE001 - no replica is up yet
+                log.error("decoder unavailable: %r", e)
+                raise unavailable("decoder unavailable; retry later", self.cfg.decoder.retry_after_s) from e
 
     async def _sync(self, cost: int, fn: Callable, *args: Any) -> Any:
         """fn(*args), inline when its input is small (cost: characters or tokens), else in the tokenizer pool:
@@ -105,7 +116,8 @@ class OpenAIIngress:
 
     async def completions(self, req: CompletionRequest) -> Any:
         t0, rid, created = time.perf_counter(), new_id("cmpl"), now()
-        mark(rid, "recv")
+        self.trace.mark(rid, "recv")
+        await self._limits()
         self.convert.check_completion(req)
         prompts = await self._sync(_size(req.prompt), self.convert.encode_prompts, req.prompt)
         choices = await self._start(rid, req, prompts)
@@ -146,7 +158,8 @@ class OpenAIIngress:
 
     async def chat(self, req: ChatCompletionRequest) -> Any:
         t0, rid, created = time.perf_counter(), new_id("chatcmpl"), now()
-        mark(rid, "recv")
+        self.trace.mark(rid, "recv")
+        await self._limits()
         self.convert.check_chat(req)
         messages = self.convert.messages(req)
         prompts = [await self._sync(sum(len(m["content"]) for m in messages), self.convert.encode_chat, messages)]
@@ -194,10 +207,14 @@ class OpenAIIngress:
         params = self.convert.params(req, max(len(p) for p in prompts))
         # compiling a grammar costs milliseconds, a schema many more: always off the event loop
         constraint = await self._sync(INLINE_COST + 1, self.convert.constraint, req) if _constrained(req) else None
+        fields = ["messages"] if isinstance(req, ChatCompletionRequest) else \
+            ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+        for ids, field in zip(prompts, fields):
+            self.convert.check_request(ids, params, field, req)
         # blocks one by one only when someone looks at them: an SSE client, or stop strings that may end early
         per_block = req.stream or bool(req.stop_list())
         ids = [f"{rid}.{i}" for i in range(len(prompts) * req.n)]
-        mark(rid, "call")
+        self.trace.mark(rid, "call")
         opened = await asyncio.gather(*(self._open(prompts[i // req.n], params.model_copy(
             update={"seed": params.seed + i % req.n}), per_block, ids[i], constraint) for i in range(len(ids))),
             return_exceptions=True)
@@ -214,7 +231,8 @@ class OpenAIIngress:
             log.error("decoder unavailable: %r", failed)  # a failed or restarting replica: the client should retry
             raise unavailable("decoder unavailable; retry later", retry) from failed
         stops = req.stop_list()
-        return [Choice(ids[i], i, prompts[i // req.n], TextStream(self.tok, stops), g, g.cancel, first)
+        return [Choice(ids[i], i, prompts[i // req.n], TextStream(self.tok, stops), g, g.cancel, first,
+                       self.trace)
                 for i, (g, first) in enumerate(opened)]  # type: ignore[misc]
 
     async def _open(self, prompt: list[int], params: DecodeConfig, per_block: bool, eid: str,
@@ -233,6 +251,7 @@ class OpenAIIngress:
                     raise
                 log.warning("replica died before answering request %s; starting it again: %r", eid, e)
             attempt += 1
+            await asyncio.sleep(self.cfg.decoder.retry_after_s)  # Serve notices the death, or starts a replica
 
     async def _collect(self, rid: str, req: SamplingFields, prompts: list[list[int]], choices: list[Choice],
                        t0: float) -> tuple[list[Choice], list[str]]:
@@ -255,7 +274,7 @@ class OpenAIIngress:
                 raise unavailable("generation failed; retry the request", self.cfg.decoder.retry_after_s) from e
         self._record(choices, prompts, t0)
         for c in choices:
-            mark(c.rid, "done", c.sent)
+            self.trace.mark(c.rid, "done", c.sent)
         return choices, texts
 
     def _stream(self, req: SamplingFields, choices: list[Choice], prompts: list[list[int]], t0: float,

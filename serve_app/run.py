@@ -29,6 +29,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="override model.path: a checkpoint directory or a Hugging Face Hub id ORG/NAME[@REVISION]")
     p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else start a local one)")
     p.add_argument("--name", default="mbd", help="Serve application name")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set engine.attention=flex")
     return p.parse_args(argv)
 
 
@@ -39,7 +41,7 @@ def _stop(*_: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = load_serve_config(args.config)
+        cfg = load_serve_config(args.config, args.sets)
     except ConfigError as e:
         print(f"mbd serve: {e}", file=sys.stderr)
         return 2
@@ -56,13 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mbd serve: model.path {cfg.model.path} is not a model directory (no config.json)", file=sys.stderr)
         return 2
     try:  # refuse before loading (and before Ray starts) a deployment whose ranks cannot hold it
-        check_serve(cfg.model, cfg.model.tensor_parallel_size, cfg.decode)
+        check_serve(cfg.model.path, cfg.engine, cfg.model.tensor_parallel_size, cfg.decode)
     except ConfigError as e:
         print(f"mbd serve: {e}", file=sys.stderr)
         return 2
     if http.host not in {"127.0.0.1", "localhost", "::1"} and not http.api_key:
         print(f"mbd serve: warning: listening on {http.host} without an API key (set MBD_API_KEY)", file=sys.stderr)
 
+    print(f"mbd serve: {cfg.engine.summary()}", flush=True)
     from ray import serve
 
     from pipelines.ray_session import ray_cluster

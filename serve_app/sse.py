@@ -13,7 +13,6 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi.responses import StreamingResponse
 
-from actors.trace import mark
 from serve_app.choices import Choice, Piece, Sync, mbd_stats, merge, usage
 from serve_app.protocol import ErrorBody, ErrorResponse, MBDStats, SamplingFields, Usage
 
@@ -39,7 +38,7 @@ async def events(req: SamplingFields, choices: list[Choice], prompts: list[list[
     unfinished choice with finish_reason "error" and an error event (details stay in the server log)."""
     finished: set[int] = set()
     last: Any = None
-    sent: tuple[str, str, int] = ("-", "sent", 0)
+    sent: Choice = choices[0]  # the choice of `last`
     continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
     try:
         for h in heads:
@@ -53,13 +52,13 @@ async def events(req: SamplingFields, choices: list[Choice], prompts: list[list[
                     ev.usage = usage(prompts, choices, so_far=True)
                 if p.finish_reason is None:  # only a choice's last chunk may have to carry the statistics
                     yield event(ev)
-                    mark(choices[p.index].rid, "sent", choices[p.index].sent)
+                    choices[p.index].mark_sent()
                     continue
                 finished.add(p.index)
                 if last is not None:
                     yield event(last)
-                    mark(*sent)
-                last, sent = ev, (choices[p.index].rid, "sent", choices[p.index].sent)
+                    sent.mark_sent()
+                last, sent = ev, choices[p.index]
         on_done()
         stats = mbd_stats(choices, buffer_size)
         if req.stream_options is not None and req.stream_options.include_usage:
@@ -70,7 +69,7 @@ async def events(req: SamplingFields, choices: list[Choice], prompts: list[list[
             last.mbd = stats
             yield event(last)
         if last is not None:
-            mark(*sent)
+            sent.mark_sent()
     except Exception:  # noqa: BLE001 - the status line is sent already: report in-band
         log.exception("generation failed mid-stream")
         if last is not None:

@@ -55,7 +55,7 @@ class Guide:
             if req.grammar is None:
                 continue
             fronts.append((row, req.frontier))
-            j = req.frontier - req.cache_len - lo[row] * self.block
+            j = req.frontier - req.committed - lo[row] * self.block
             if 0 <= j < width:
                 rows.append(row), cols.append(j)
         frontier = prompt_len.clone()
@@ -91,7 +91,7 @@ class Guide:
             if req.grammar is None:
                 continue
             toks, old = summary[row][:q], summary[row][old_at: old_at + q]
-            base = req.cache_len
+            base = req.committed
             limit = min(req.n_res * B, req.params.gen_end - base)
             st = settle(req.grammar, toks, req.frontier - base, limit, self.mask_id)
             req.frontier = base + st.frontier

@@ -43,6 +43,7 @@ class Reference:
         self.policy = policy_for(cfg.strategy)(self.block, self.mask_id)
         self.stop_ids = set(stop_ids)
         self.device = next(model.parameters()).device
+        self.merge: torch.Tensor | None = None  # DMax token merge weights of the running tokens (`update`)
 
     def start(self, prompt: list[int]) -> tuple[RequestParams, list[int], KVCache | None, torch.Tensor]:
         """Prefill the block-aligned prompt part; the first block holds the prompt tail then masks."""
@@ -63,17 +64,20 @@ class Reference:
         """Logits of the `running` tokens placed after `committed` (with a cache: `committed` is in it)."""
         ids = torch.as_tensor(running, device=self.device).view(1, -1) if len(running) else None
         L = len(committed)
+        conf = self.merge if ids is not None and self.merge is not None else None
         if cache is None:
             head = torch.tensor(committed, device=self.device, dtype=torch.long).view(1, -1)
             full = head if ids is None else torch.cat([head, ids], 1)
             pos = torch.arange(full.shape[1], device=self.device)[None]
             mask = block_causal_dense(pos, full.shape[1], torch.tensor([full.shape[1]], device=self.device), self.block)
-            return self.model(full, pos, mask)[:, L:]
+            if conf is not None:
+                conf = torch.cat([torch.ones(1, L, device=self.device), conf], 1)
+            return self.model(full, pos, mask, token_conf=conf)[:, L:]
         if ids is None:  # prefill: `committed` is the input
             ids, L = torch.tensor(committed, device=self.device)[None], 0
         pos = torch.arange(L, L + ids.shape[1], device=self.device)[None]
         mask = block_causal_dense(pos, cache.size, torch.tensor([L + ids.shape[1]], device=self.device), self.block)
-        return self.model(ids, pos, mask, cache=cache)
+        return self.model(ids, pos, mask, cache=cache, token_conf=conf)
 
     def update(self, p: RequestParams, logits, tokens, n_tc: int, first_pos: int, prompt_len: int, gen):
         """One policy update of a running-set of n = tokens.shape[1] / B blocks (the first n_tc TO_CACHE).
@@ -89,6 +93,8 @@ class Reference:
         filled, unchanged = self.policy.counts(dec.masked_in[0].tolist(), dec.accepted[0].tolist(),
                                                None if dec.revised is None else dec.revised[0].tolist())
         post_tc = self.policy.final_count(p, n_tc, n, filled, unchanged)
+        if self.policy.token_merge:  # a token M2T filled now enters the next forward soft (DMax)
+            self.merge = torch.where((tokens == self.mask_id) & (dec.tokens != self.mask_id), dec.conf.float(), 1.0)
         ids = dec.tokens[0].tolist()
         stop = any(t in self.stop_ids for t, f in zip(ids, fixed[0].tolist()) if not f)
         return dec.tokens, post_tc, filled[-1], unchanged[-1], stop
@@ -105,7 +111,7 @@ class Reference:
         if eos is not None:
             gen = gen[:eos]
         reason = finish if finish == "max_nfe" else ("eos" if eos is not None else "length")
-        return ReferenceResult(gen, nfe, reason, len(gen) + int(eos is not None), active_counts)
+        return ReferenceResult(gen, nfe, reason, len(gen), active_counts)
 
     def stop_in(self, ids: list[int], first_pos: int, prompt_len: int, gen_end: int) -> bool:
         return any(t in self.stop_ids for i, t in enumerate(ids) if prompt_len <= first_pos + i < gen_end)
@@ -135,7 +141,7 @@ class NaiveMultiBD(Reference):
                     cache.commit(0, n_tc * B)
             plan = self.policy.plan(p, n_res=n, pre_tc=n_tc, post_tc=post_tc, filled_last=filled,
                                     unchanged_last=unchanged, eos_seen=eos_committed or stop, nfe=nfe,
-                                    cache_len=len(committed))
+                                    committed=len(committed))
             if plan.finish is not None:
                 return self.finalize(p, committed + running[0].tolist(), len(prompt), nfe, plan.finish, active_counts)
             n_tc = post_tc - n_tc

@@ -25,7 +25,9 @@ fixes `>=`, which we follow):
   tau_stable (if set), no stop token is in the buffer or output, a DUMMY slot is free within the request's
   buffer_size, and the block starts before the generation limit.
 - Finish: all resident blocks complete and (a stop token was generated or the next block would start past
-  the generation limit); otherwise after max_nfe forwards.
+  the generation limit), once the forward that stores the last of them has run (and counted), as the authors'
+  engine does: a request ends when its last block is IN_CACHE, not when it is TO_CACHE. A request that reaches
+  max_nfe before that store forward ends without it; otherwise after max_nfe forwards.
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ class Sampler:
 
 
 class Policy:
+    token_merge = False  # DMax's soft input for just-filled tokens (`DMaxPolicy`)
+
     def __init__(self, block_size: int, mask_token_id: int):
         self.block = block_size
         self.mask_id = mask_token_id
@@ -178,15 +182,15 @@ class Policy:
         return k
 
     def plan(self, p: RequestParams, *, n_res: int, pre_tc: int, post_tc: int, filled_last: int,
-             unchanged_last: Kept, eos_seen: bool, nfe: int, cache_len: int) -> Plan:
+             unchanged_last: Kept, eos_seen: bool, nfe: int, committed: int) -> Plan:
         """Host decisions after a forward. n_res / pre_tc: resident / TO_CACHE slots at forward time
         (the pre_tc ones are committed by this forward); post_tc: TO_CACHE slots after the update;
-        filled_last / unchanged_last: counts of the last resident slot (see `counts`); cache_len: committed
+        filled_last / unchanged_last: counts of the last resident slot (see `counts`); committed: committed
         length after this step's commit."""
         left = n_res - pre_tc
-        allowed = cache_len + left * self.block < p.gen_end
-        if post_tc == n_res and (eos_seen or not allowed):
-            return Plan("done", False)
+        allowed = committed + left * self.block < p.gen_end
+        if post_tc == n_res and (eos_seen or not allowed):  # every block is final: done once they are stored
+            return Plan("done" if left == 0 or nfe >= p.max_nfe else None, False)
         if nfe >= p.max_nfe:
             return Plan("max_nfe", False)
         if eos_seen or not allowed or left >= p.buffer_size:
@@ -217,11 +221,15 @@ class DMaxPolicy(Policy):
       so a block whose masks were all filled confidently commits in the same step.
 
     The engine carries per-slot counts as integers; the all-confident flag travels packed into the revised
-    count (revised + (B + 1) * confident), unpacked by `counts`. Not reproduced: DMax's soft-embedding input
-    ("token merge": a token filled in the previous step enters as a confidence-weighted mix of its embedding
-    and the mask embedding) needs a model input hook; tokens enter as hard ids."""
+    count (revised + (B + 1) * confident), unpacked by `counts`.
+
+    Token merge (`token_merge`): a token M2T filled in a step enters the next forward as the confidence-weighted
+    mix of its embedding and the mask embedding (`mbd.model.base.merge_embeddings`, weight = the confidence it was
+    accepted with); every other position (revised or older tokens, masks, the prompt) enters as itself, as the
+    authors' fast path gives those confidence 1. The weights live in `BatchBuffers.token_conf`."""
 
     DMAX_CONFIDENT = 0.9
+    token_merge = True
 
     def update(self, logits: torch.Tensor, tokens: torch.Tensor, state: torch.Tensor, tau_m2t: torch.Tensor,
                semi_max_masked: torch.Tensor, fixed: torch.Tensor | None = None, tau_t2t: torch.Tensor | None = None,

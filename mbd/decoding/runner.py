@@ -1,5 +1,10 @@
 """Model runner: prefill, and the static-shape Block Buffer forward (CUDA Graph per (batch, span) bucket on GPU).
 
+`run(batch)` is the model half of an engine step (`Engine.step` = schedule -> run -> postprocess): it makes the
+device's slot states and committed lengths match the batch's row layout (derived from the requests, uploaded
+only when they changed), runs the forward, applies the policy's token update and returns one `RowOutput` per
+decoding row from the step's single device-to-host copy.
+
 Every decode step is ONE forward over input ids [bucket, N_buf * B] at positions cache.lengths + arange,
 against the paged KV cache (read and written through each row's page table, whose contents the cache manager
 changes in place; unmapped positions go to a scratch page). The forward scatters all buffer tokens' K/V into the
@@ -21,7 +26,8 @@ slots are skipped). Span: attention reads keys [0, span) only, span = the longes
 (batch, slots, span, active) bucket the shapes never change, so on CUDA the forward is captured once per
 bucket and replayed; on CPU it runs eagerly through the same function.
 Masks come from small index tensors: a dense [b, 1, Q, span] bool mask for SDPA (the reference), or a
-FlexAttention BlockMask whose per-row key-block counts stop at the row's last visible key (`attention="flex"`).
+FlexAttention BlockMask whose per-row key-block counts stop at the row's last visible key (`attention: flex`,
+its kernel compiled with `EngineConfig.compile`).
 
 Logits: only ACTIVE slots' logits are ever read, so the head (and the policy's vocabulary softmax) runs on a
 window of `active` slots per row (`window`; active = the most ACTIVE slots of any row, one more bucket axis):
@@ -36,17 +42,19 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from mbd.config import ModelConfig
-from mbd.decoding.state import BatchBuffers, SlotState
+from mbd.config import EngineConfig
+from mbd.decoding.batch import DecodeBatch, PrefillChunk, RowOutput
+from mbd.decoding.guided import Guide, RowFix
+from mbd.decoding.policy import Policy
+from mbd.decoding.state import FREE_ROW, BatchBuffers, RowLayout, SlotState
 from mbd.model import KVCache
 from mbd.model.base import Segment, Segments
 from mbd.model.cache import default_page_size
-from mbd.model.masks import decode_block_mask
+from mbd.model.masks import FlexMask, decode_block_mask
 from mbd.model.tp import SINGLE
 
 SPAN_MIN = 64  # spans are multiples of 64 up to 4 * SPAN_MIN, then four per octave
@@ -59,15 +67,6 @@ def span_bucket(need: int, size: int) -> int:
     return min(size, -(-need // step) * step)
 
 
-@dataclass(frozen=True)
-class PrefillChunk:
-    """Prompt tokens `ids` (block-aligned) of cache row `row`, placed at absolute positions start, start + 1, ..."""
-
-    row: int
-    start: int
-    ids: list[int]
-
-
 def graph_capturable(model: nn.Module) -> bool:
     """MoE routing dispatches tokens with `nonzero` (a host sync), which CUDA Graph capture forbids."""
     from mbd.model.llada2_moe import LLaDA2SparseMoE
@@ -75,48 +74,124 @@ def graph_capturable(model: nn.Module) -> bool:
     return not any(isinstance(m, LLaDA2SparseMoE) for m in model.modules())
 
 
+def use_cuda_graphs(model: nn.Module, mode: str, device: torch.device) -> bool:
+    """`EngineConfig.cuda_graphs` on this device: auto = on cuda; a model that cannot be captured runs eagerly."""
+    want = mode == "on" or (mode == "auto" and device.type == "cuda")
+    if want and not graph_capturable(model):
+        warnings.warn("CUDA Graphs disabled: this model's MoE routing is not capturable; running eagerly")
+        return False
+    return want
+
+
+def allocate_cache(model: nn.Module, rows: int, max_len: int, margin: int, engine: EngineConfig,
+                   device: torch.device) -> KVCache:
+    """The paged KV pool: `engine.kv_cache_bytes` worth of pages, or (None) room for every row at max_len."""
+    cfg, tp = model.cfg, getattr(model, "tp", SINGLE)
+    dtype = next(model.parameters()).dtype
+    page = engine.page_size or default_page_size(cfg.block_size)
+    if engine.kv_cache_bytes is None:
+        pages = 1 + rows * -(-(max_len + margin) // page)
+    else:
+        pages = engine.kv_cache_bytes // KVCache.page_bytes(cfg, page, dtype, tp)
+        if pages < 2:
+            raise ValueError(f"kv_cache_bytes={engine.kv_cache_bytes} holds {pages} pages of {page} tokens; the "
+                             f"pool needs at least 2 ({2 * KVCache.page_bytes(cfg, page, dtype, tp)} bytes)")
+    return KVCache(cfg, rows, max_len, margin=margin, dtype=dtype, device=device, tp=tp, page_size=page,
+                   num_pages=pages)
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, cfg: ModelConfig, buf: BatchBuffers, max_len: int,
-                 buckets: tuple[int, ...], use_graphs: bool, prefill_chunk: int = 512, attention: str = "sdpa",
-                 page_size: int | None = None, kv_cache_bytes: int | None = None):
-        """page_size: tokens per KV page (default: `default_page_size`); kv_cache_bytes: the page pool's budget
-        (default: every row can reach max_len, as a static per-row cache would)."""
-        if attention not in ("sdpa", "flex"):
-            raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
-        self.model, self.buf, self.block, self.attention = model, buf, buf.block, attention
+    """Runs the model for the engine: prefill, and `run(batch)` = upload the batch's row layout when it changed,
+    one decode forward, the policy's token update, the Block Buffers' slide past committed slots and the step's
+    one device-to-host copy, unpacked into a `RowOutput` per decoding row."""
+
+    def __init__(self, model: nn.Module, buf: BatchBuffers, policy: Policy, engine: EngineConfig, max_len: int):
+        """max_len: positions a row may reach (the KV cache adds a full Block Buffer of margin)."""
+        self.model, self.buf, self.policy, self.block = model, buf, policy, buf.block
+        self.attention, self.compile = engine.attention, engine.compile
         rows, self.q = buf.tokens.shape
         dev = buf.tokens.device
-        dtype = next(model.parameters()).dtype
-        tp = getattr(model, "tp", SINGLE)
-        page = page_size or default_page_size(self.block)
-        if kv_cache_bytes is None:
-            pages = 1 + rows * -(-(max_len + self.q) // page)
-        else:
-            pages = kv_cache_bytes // KVCache.page_bytes(cfg, page, dtype, tp)
-            if pages < 2:
-                raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds {pages} pages of {page} tokens; the pool "
-                                 f"needs at least 2 ({2 * KVCache.page_bytes(cfg, page, dtype, tp)} bytes)")
-        self.cache = KVCache(cfg, rows, max_len, margin=self.q, dtype=dtype, device=dev, tp=tp, page_size=page,
-                             num_pages=pages)
-        self.buckets = tuple(sorted(set(buckets)))
-        if self.buckets[-1] != rows:
-            raise ValueError(f"batch_buckets {buckets} must include max_batch_slots={rows}")
-        self._views: dict[tuple[int, int], KVCache] = {}
-        self._bucket_of = [next(b for b in self.buckets if b >= n) for n in range(rows + 1)]
+        self.cache = allocate_cache(model, rows, max_len, self.q, engine, dev)
+        self._views: dict[tuple[int, int, bool], KVCache] = {}
         self._arange_q = torch.arange(self.q, device=dev)
         self._kv = torch.arange(self.cache.size, device=dev)
         self._kv_block = self._kv // self.block
-        self.prefill_chunk = max(self.block, prefill_chunk // self.block * self.block)
-        if use_graphs and not graph_capturable(model):
-            warnings.warn("CUDA Graphs disabled: this model's MoE routing is not capturable; running eagerly")
-            use_graphs = False
-        self.use_graphs = use_graphs
-        self._graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._inputs: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # eager: (positions, mask)
+        self.prefill_chunk = max(self.block, engine.prefill_chunk // self.block * self.block)
+        self.use_graphs = use_cuda_graphs(model, engine.cuda_graphs, dev)
+        self._graphs: dict[tuple[int, int, int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._inputs: dict[tuple[int, int, int], tuple[torch.Tensor, object]] = {}  # eager: (positions, mask)
+        self._uploaded = [FREE_ROW] * rows  # what the device's slot states and committed lengths hold
         self.shapes: Counter[tuple[int, int, int]] = Counter()  # (batch, Q, span) of every decode forward
+        self.guide: Guide | None = None  # structured output (the engine sets it with the first grammar)
 
-    def bucket(self, rows_needed: int) -> int:
-        return self._bucket_of[rows_needed]
+    def run(self, batch: DecodeBatch) -> dict[int, RowOutput]:
+        """One decode step of `batch`: forward, the policy's update, tokens stored back (TO_CACHE slots popped),
+        and the step's single device -> host copy, unpacked per decoding row (keyed by row)."""
+        self.sync(batch.layout)
+        b, S, A, B = batch.rows, batch.slots, batch.active, self.block
+        span = self.span(batch.max_committed, S)
+        logits, idx = self.forward(b, S, span, A, batch.chunks, batch.home)
+        buf, Q = self.buf, S * B
+        tokens, parts, conf, tops = buf.tokens[:b, :Q], [], None, None
+        merge = buf.token_conf[:b, :Q].clone() if self.policy.token_merge else None
+        guided = bool(A) and batch.guided and self.guide is not None
+        rows = [(r.row, r) for r in batch.requests]
+        if A:
+            fixed = None
+            if guided:  # grammar frontiers: masked logits there, nothing accepted before it revised
+                fixed = self.guide.before(rows, logits, self.positions(b, S).gather(1, idx),
+                                          _window_starts(batch, b), buf.prompt_len[:b])
+            elif batch.fixed:  # a prompt tail is still in a buffer
+                fixed = self.positions(b, S).gather(1, idx) < buf.prompt_len[:b, None]
+            dec = self.policy.update(logits, tokens.gather(1, idx), buf.state[:b].gather(1, idx[:, ::B] // B),
+                                     buf.tau_m2t[:b], buf.semi_max_masked[:b], fixed,
+                                     buf.tau_t2t[:b] if batch.t2t else None, batch.samplers)
+            updated = tokens.scatter(1, idx, dec.tokens)
+            if batch.logprobs:  # the probability each token was accepted (or last revised) with, where it changed
+                full = torch.full(tokens.shape, -1.0, device=tokens.device).scatter(1, idx, dec.conf.float())
+                conf = torch.where(updated != tokens, full, -1.0).tolist()
+                tops = top_logprobs(logits, idx, batch)
+            if merge is not None:  # DMax token merge: a token M2T filled in this step enters the next forward soft
+                filled = (tokens.gather(1, idx) == buf.mask_id) & (dec.tokens != buf.mask_id)
+                merge = merge.scatter(1, idx, torch.where(filled, dec.conf.float(), 1.0))
+            parts = [dec.masked_in, dec.accepted] + ([dec.revised] if batch.t2t else []) + ([tokens] if guided else [])
+            tokens = updated  # (the tokens before the decision ride along for the grammar's recount)
+        old_at = Q + A * (len(parts) - 1)
+        if batch.trace:
+            parts.append(buf.state[:b])  # forward-time states
+        summary = torch.cat([tokens, *parts], 1).tolist()  # the step's single device -> host transfer
+        fixes = self.guide.after(rows, summary, old_at, S, tokens) if guided else {}
+        buf.store_tokens(tokens, [lay.n_tc for lay in batch.layout], merge)  # re-run TO_CACHE slots are committed: pop
+        return {req.row: self._unpack(summary[req.row], conf and conf[req.row], req.n_tc, batch, fixes.get(req.row),
+                                      tops and tops[req.row]) for req in batch.requests}
+
+    def _unpack(self, s: list[int], conf: list[float] | None, n_tc: int, batch: DecodeBatch, fix: RowFix | None = None,
+                top: list | None = None) -> RowOutput:
+        """A row of the step's summary [tokens (Q) | masked (A) | accepted (A) | revised (A)? | states (n_buf)?]
+        as per-slot lists over the `slots` run: the window [lo, lo + A) from the device, TO_CACHE before it,
+        all-mask DUMMY after it."""
+        S, A, B = batch.slots, batch.active, self.block
+        Q, lo = S * B, min(n_tc, S - A)
+        pad = S - lo - A
+
+        def per_slot(k: int, fill: int) -> list[int]:
+            return [0] * lo + s[Q + k * A: Q + (k + 1) * A] + [fill] * pad
+
+        return RowOutput(s[:Q], per_slot(0, B), per_slot(1, 0), per_slot(2, 0) if batch.t2t else None,
+                         s[-self.buf.n_buf:] if batch.trace else None, conf, fix, top)
+
+    def sync(self, layout: list[RowLayout]) -> None:
+        """Make the device's slot states and committed lengths of rows [0, len(layout)) those of `layout` (one
+        copy, only when something changed); positions and masks are rebuilt when lengths or resident slots
+        moved."""
+        b = len(layout)
+        old = self._uploaded[:b]
+        if layout == old:
+            return
+        self.buf.upload(layout, self.cache.lengths)
+        if any(n.committed != o.committed or n.n_res != o.n_res for n, o in zip(layout, old)):
+            self._inputs.clear()
+        self._uploaded[:b] = layout
 
     def span(self, max_committed: int, slots: int) -> int:
         """Key span of a forward of `slots` slots whose longest row has `max_committed` committed tokens."""
@@ -130,10 +205,6 @@ class ModelRunner:
 
     def positions(self, b: int, slots: int) -> torch.Tensor:
         return self.cache.lengths[:b, None] + self._arange_q[: slots * self.block]
-
-    def invalidate(self) -> None:
-        """Committed lengths or resident slots changed: positions and masks must be rebuilt."""
-        self._inputs.clear()
 
     def forward(self, b: int, slots: int, span: int, active: int, chunks: Sequence[PrefillChunk] = (),
                 home: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +238,7 @@ class ModelRunner:
         pos = self.positions(b, slots)
         visible = lengths + (self.buf.state[:b] != SlotState.DUMMY).sum(1) * self.block
         if self.attention == "flex":
-            return pos, decode_block_mask(pos, lengths, visible, span, self.block)
+            return pos, FlexMask(decode_block_mask(pos, lengths, visible, span, self.block), self.compile)
         return pos, self.mask(pos, visible, span)
 
     def mask(self, pos: torch.Tensor, visible: torch.Tensor, span: int) -> torch.Tensor:
@@ -187,8 +258,9 @@ class ModelRunner:
                 self._inputs[(b, slots, span)] = self._positions_and_mask(b, slots, span)
             pos, mask = self._inputs[(b, slots, span)]
         idx = self.window(b, slots, active)
-        logits = self.model(self.buf.tokens[:b, : slots * self.block], pos, mask, cache=self.view(b, span, home),
-                            logits_at=idx)
+        Q = slots * self.block
+        logits = self.model(self.buf.tokens[:b, :Q], pos, mask, cache=self.view(b, span, home), logits_at=idx,
+                            token_conf=self.buf.token_conf[:b, :Q] if self.policy.token_merge else None)
         return logits, idx
 
     def _fused(self, key: tuple[int, int, int, int, bool],
@@ -214,8 +286,12 @@ class ModelRunner:
             all_pos.append(cpos)
         idx = self.window(b, slots, active)
         flat_idx = (torch.arange(b, device=dev)[:, None] * Q + idx).view(1, -1)
+        merge = None
+        if self.policy.token_merge:  # prompt chunks enter as their tokens
+            merge = torch.cat([self.buf.token_conf[:b, :Q].reshape(1, -1)] + [torch.ones_like(i, dtype=torch.float)
+                                                                             for i in ids[1:]], 1)
         logits = self.model(torch.cat(ids, 1), torch.cat(all_pos, 1), None, cache=Segments(tuple(parts)),
-                            logits_at=flat_idx)
+                            logits_at=flat_idx, token_conf=merge)
         return logits.view(b, active * self.block, logits.shape[-1]), idx
 
     def _capture(self, b: int, slots: int, span: int, active: int,
@@ -237,9 +313,7 @@ class ModelRunner:
     def prefill(self, row: int, ids: list[int], start: int = 0) -> None:
         """Run prompt tokens `ids` (block-aligned, placed at `start`, after the committed [0, start) of cache row
         `row`) through the model and commit them, in chunks that each see the committed ones and themselves
-        block-causally. No logits: the head does not run."""
-        self.invalidate()
-        self.cache.lengths[row] = start
+        block-causally. No logits: the head does not run. The caller owns the committed length."""
         if not ids:
             return
         dev = self.cache.lengths.device
@@ -251,4 +325,26 @@ class ModelRunner:
             pos = torch.arange(a, a + n, device=dev)[None]
             mask = self.mask(pos, torch.tensor([a + n], device=dev), a + n)
             self.model(chunk, pos, mask, cache=self.cache.view(row, row + 1, a + n), logits_at=none)
-            self.cache.commit(row, n)
+
+
+def _window_starts(batch: DecodeBatch, b: int) -> list[int]:
+    """Each row's first logits-window slot (`ModelRunner.window`), on the host."""
+    lo = [0] * b
+    for r in batch.requests:
+        lo[r.row] = min(r.n_tc, batch.slots - batch.active)
+    return lo
+
+
+def top_logprobs(logits: torch.Tensor, idx: torch.Tensor, batch: DecodeBatch) -> list[list] | None:
+    """Per row: (buffer position, top-k (id, logprob)) of every logits-window position, for rows asking for
+    top_logprobs: of the distribution the step accepted from (the model's softmax with the mask token excluded
+    and a grammar's mask applied; a sampled row's tempered, top-k / top-p one). None when no row asks."""
+    k = max((r.params.top_logprobs for r in batch.requests if r.top_logprobs is not None), default=0)
+    if not k:
+        return None
+    lp = logits.float().log_softmax(-1)
+    for s in batch.samplers:
+        lp[s.row] = s.probs(logits[s.row]).log()
+    vals, ids = lp.topk(k, -1)
+    return [list(zip(pos, ([list(zip(i, v)) for i, v in zip(ri, rv)])))
+            for pos, ri, rv in zip(idx.tolist(), ids.tolist(), vals.tolist())]

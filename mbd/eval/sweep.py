@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from mbd.config import ConfigError, DecodeConfig, StrictModel, load_yaml, resolve_path, validate
+from mbd.config import ConfigError, DecodeConfig, EngineConfig, StrictModel, load_decode, resolve_path, validate
 from mbd.eval.benchmarks import Kind, Problem, ScoreResult, get_benchmark, list_benchmarks
 from mbd.eval.prompts import Message, chat_messages
 from mbd.hub import resolve_model
@@ -91,7 +91,7 @@ class DecodeEntry(StrictModel):
         if path is None:
             raise ConfigError(f"decoding '{self.name}': config has no '{kind}' entry but a {kind} benchmark is "
                               f"swept; add `{kind}: configs/decode/<file>.yaml`")
-        base = load_yaml(resolve_path(path), DecodeConfig)
+        base = load_decode(resolve_path(path))[0]  # the sweep's own `engine:` section runs it
         return validate(DecodeConfig, {**base.model_dump(), **self.overrides}, f"decoding '{self.name}' overrides")
 
 
@@ -143,11 +143,11 @@ class SweepConfig(StrictModel):
     models: list[ModelEntry] = Field(min_length=1)
     decoding: list[DecodeEntry] = Field(min_length=1)
     benchmarks: list[BenchmarkEntry] = Field(min_length=1)
-    batch_size: int = Field(8, ge=1, description="requests decoded together (the engine's max_batch_slots); "
-                                                 "1 gives the paper's single-sample TPS")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description=(
+        "how every decoder actor's engine runs: max_batch_rows = requests decoded together (1 gives the paper's "
+        "single-sample TPS); device auto = cuda when the cluster has GPUs; a model's dtype overrides its dtype"))
     trace_problems: int = Field(8, ge=0, description="problems per (model, config, benchmark) whose engine "
                                                      "traces are kept for the noise/activity panels; 0: none")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
     workers: int | None = Field(None, ge=1, description="decoder actors (default: one per GPU, else 1)")
     cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per decoder actor (its torch threads on CPU)")
     cpus_per_scorer: float = Field(1.0, gt=0, description="CPUs per scoring task (code runs in a sandbox)")
@@ -212,6 +212,9 @@ class Decoded(BaseModel):
     trace: list[dict] | None = None
 
 
+TPF_COUNTING = 2  # ItemRecord.counting: 2 = the authors' (the last store forward counted, the stop token not)
+
+
 class ItemRecord(BaseModel):
     """One problem of one (model, config, benchmark) cell: the completion, its verdict and its decoding cost."""
 
@@ -228,6 +231,7 @@ class ItemRecord(BaseModel):
     step_latency_ms: float
     finish_reason: str
     detail: str = ""
+    counting: int = TPF_COUNTING  # 1: stored before the field existed; a resumed sweep decodes such records again
 
 
 class DecodedUnit(BaseModel):
@@ -277,9 +281,9 @@ class ResultStore:
         return self.root / kind / model / config / f"{benchmark}.jsonl"
 
     def load(self, model: str, config: str, benchmark: str) -> dict[str, ItemRecord]:
-        """Stored records by problem id (the last one wins)."""
-        return {r.problem_id: r for r in map(ItemRecord.model_validate,
-                                             self._read(self.path(model, config, benchmark)))}
+        """Stored records by problem id (the last one wins), of the current TPF counting only."""
+        rows = ({"counting": 1, **row} for row in self._read(self.path(model, config, benchmark)))
+        return {r.problem_id: r for r in map(ItemRecord.model_validate, rows) if r.counting == TPF_COUNTING}
 
     def append(self, record: ItemRecord) -> None:
         self._append(self.path(record.model, record.config, record.benchmark), record.model_dump())
@@ -368,24 +372,25 @@ class EngineCache:
     """One model's weights and the engine of the last decoding configuration: a worker that goes through a
     (model, config) group's units loads the weights once per model and builds one engine per configuration."""
 
-    def __init__(self, device: str = "cpu", batch_size: int = 8, trace: bool = False):
-        self.device, self.batch_size, self.trace = device, batch_size, trace
+    def __init__(self, engine: EngineConfig):
+        self.engine = engine
         self._model: tuple[tuple[str, str], Any] | None = None
         self._engine: tuple[tuple[str, str, str], Engine] | None = None
 
     def get(self, model: ModelEntry, params: DecodeConfig) -> Engine:
-        from mbd.decoding.spec import EngineSpec, build_engine, load_engine_model
+        from mbd.decoding.spec import build_engine, load_engine_model, model_dir
 
-        spec = EngineSpec(path=model.path, device=self.device, dtype=model.dtype, max_batch_slots=self.batch_size)
-        mkey = (str(spec.resolved_path()), model.dtype)
+        engine = self.engine if model.dtype == "auto" else self.engine.model_copy(update={"dtype": model.dtype})
+        path = model_dir(model.path)
+        mkey = (str(path), engine.dtype)
         ekey = (*mkey, params.model_dump_json())
         if self._engine is not None and self._engine[0] == ekey:
             return self._engine[1]
         self._engine = None
         if self._model is None or self._model[0] != mkey:
             self._model = None  # free the previous weights before loading the next
-            self._model = (mkey, load_engine_model(spec))
-        engine = build_engine(spec, params, loaded=self._model[1], trace=self.trace)
+            self._model = (mkey, load_engine_model(path, engine))
+        engine = build_engine(path, params, engine, loaded=self._model[1])
         tok = self._model[1][1]
         # One short request before anything is timed: first-call costs (allocator, kernel selection, CUDA
         # Graph capture) would otherwise land in the first cell's TPS.
@@ -455,7 +460,7 @@ def load_problems(cfg: SweepConfig) -> dict[str, list[Problem]]:
 def plan_units(cfg: SweepConfig, problems: Mapping[str, list[Problem]], store: ResultStore,
                exemplars: Mapping[str, list[Problem]]) -> tuple[list[Unit], int]:
     """The units still to decode (stored problem ids are skipped) and the number of problems skipped."""
-    units, skipped, size = [], 0, cfg.batch_size * BATCHES_PER_UNIT
+    units, skipped, size = [], 0, cfg.engine.max_batch_rows * BATCHES_PER_UNIT
     for cell in cells(cfg):
         done = store.load(cell.model.name, cell.decode.name, cell.benchmark)
         todo = [(i, p) for i, p in enumerate(problems[cell.benchmark]) if p.problem_id not in done]

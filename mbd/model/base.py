@@ -52,19 +52,22 @@ class CausalLMBase(nn.Module):
             self.lm_head.weight = self.model.embedding.weight
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask,
-                cache: KVCache | Segments | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache | Segments | None = None, logits_at: torch.Tensor | None = None,
+                token_conf: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [b, n, V]; with `logits_at` (an index [b, m] into the n positions) only those [b, m, V]
-        (m = 0: the head does not run)."""
+        (m = 0: the head does not run). token_conf [b, n]: DMax's token merge (`merge_embeddings`)."""
         h = self.model.embedding(input_ids)
+        if token_conf is not None:
+            h = merge_embeddings(h, token_conf, self.model.embedding, self.cfg.mask_token_id)
         cos, sin = rope_cos_sin(position_ids, self.cfg.rotary_dim, self.cfg.rope_theta, h.dtype)
         if isinstance(cache, KVCache):  # where each token's K/V go, the same for every layer
-            slots = cache.address(position_ids)
+            kv_at = cache.address(position_ids)
         elif isinstance(cache, Segments):
-            slots = tuple(s.cache.address(s.pos) for s in cache.parts)
+            kv_at = tuple(s.cache.address(s.pos) for s in cache.parts)
         else:
-            slots = None
+            kv_at = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, mask, cache, i, slots)
+            h = layer(h, cos, sin, mask, cache, i, kv_at)
         if logits_at is not None:
             if logits_at.shape[1] == 0:
                 return h.new_empty(h.shape[0], 0, self.cfg.vocab_size)
@@ -72,24 +75,37 @@ class CausalLMBase(nn.Module):
         return self.lm_head(self.model.norm(h))
 
 
+def merge_embeddings(h: torch.Tensor, conf: torch.Tensor, embedding: nn.Module, mask_id: int) -> torch.Tensor:
+    """DMax's soft input ("token merge", the authors' Diffulex `dmax_topk` with top-1 and renormalisation): a
+    position with conf c < 1 enters as c E[token] + (1 - c) E[mask], rescaled to the norm c |E[token]| +
+    (1 - c) |E[mask]|; c = 1 keeps E[token] exactly. Static shapes: a select over every position, no branch."""
+    c = conf.unsqueeze(-1).float()
+    tok = h.float()
+    mask = embedding(conf.new_full((1,), mask_id, dtype=torch.long)).float()  # [1, H], broadcast
+    soft = c * tok + (1 - c) * mask
+    target = c * tok.norm(dim=-1, keepdim=True) + (1 - c) * mask.norm(dim=-1, keepdim=True)
+    soft = soft * (target / soft.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+    return torch.where(c < 1, soft.to(h.dtype), h)
+
+
 def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cache: KVCache | Segments | None,
-                   layer: int, slots) -> torch.Tensor:
-    """q [b,h,n,d], k/v [b,kvh,n,d]; with a cache, k/v are written at `slots` (the tokens' cache addresses; one
+                   layer: int, kv_at) -> torch.Tensor:
+    """q [b,h,n,d], k/v [b,kvh,n,d]; with a cache, k/v are written at `kv_at` (the tokens' cache addresses; one
     per segment for Segments) and attention runs over the row."""
     if isinstance(cache, Segments):
-        return _segmented_attention(q, k, v, cache, layer, slots)
+        return _segmented_attention(q, k, v, cache, layer, kv_at)
     if cache is not None:
-        cache.write(layer, k, v, slots)
+        cache.write(layer, k, v, kv_at)
         k, v = cache.read(layer)
     o = attend(q, k, v, mask)
     return o.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 
 def _segmented_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segs: Segments, layer: int,
-                         slots: tuple[torch.Tensor, ...]) -> torch.Tensor:
+                         kv_at: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Flat [1, h, N, d] projections cut into each segment's [rows, h, width, d], attended against its cache."""
     outs, o = [], 0
-    for s, where in zip(segs.parts, slots):
+    for s, where in zip(segs.parts, kv_at):
         n = s.rows * s.width
         q_s, k_s, v_s = (x[0, :, o:o + n].unflatten(1, (s.rows, s.width)).transpose(0, 1) for x in (q, k, v))
         outs.append(self_attention(q_s, k_s, v_s, s.mask, s.cache, layer, where).reshape(1, n, -1))

@@ -97,15 +97,15 @@ class KVCache:
         return self.lengths.shape[0]
 
     def address(self, pos: torch.Tensor) -> torch.Tensor:
-        """Pool slots [b * n] of absolute positions pos [b, n] of every row (in order), through the page table;
+        """Pool kv_at [b * n] of absolute positions pos [b, n] of every row (in order), through the page table;
         computed once per forward, used by every layer's `write`."""
         page = self.page_table.gather(1, (pos // self.page_size).clamp(max=self.pages_per_row))
         return (page * self.page_size + pos % self.page_size).flatten()
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store k/v [b, kvh, n, d] of every row (in order) at `slots` (`address(pos)`)."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, kv_at: torch.Tensor) -> None:
+        """Store k/v [b, kvh, n, d] of every row (in order) at `kv_at` (`address(pos)`)."""
         for pool, x in ((self.k, k), (self.v, v)):
-            pool[layer].flatten(1, 2).index_copy_(1, slots, x.transpose(0, 1).flatten(1, 2))
+            pool[layer].flatten(1, 2).index_copy_(1, kv_at, x.transpose(0, 1).flatten(1, 2))
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [b, kvh, span, d] of every row, gathered page by page through the table (or, at home, viewed in

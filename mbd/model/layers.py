@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mbd.model.masks import FlexMask
 from mbd.model.tp import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup
 
 
@@ -42,19 +43,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
-    """Scaled dot-product attention [b,h,n,d] x [b,kvh,s,d] under a dense bool mask (SDPA, the reference)
-    or a FlexAttention BlockMask."""
+    """Scaled dot-product attention [b,h,n,d] x [b,kvh,s,d] under a dense bool mask (SDPA, the reference),
+    a `FlexMask` (the decoder's: its kernel's compile mode chosen by the engine config) or a bare FlexAttention
+    BlockMask (training: compiled on GPU)."""
+    gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-    return _flex(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if isinstance(mask, FlexMask):
+        return flex_kernel(mask.compile)(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+    return flex_kernel("default" if q.is_cuda else "off")(q, k, v, block_mask=mask, enable_gqa=gqa)
 
 
 @functools.cache
-def _flex(compiled: bool):
-    """flex_attention, compiled into a fused kernel on GPU (uncompiled it materialises the scores)."""
+def flex_kernel(compile: str):
+    """flex_attention, eager ("off": it materialises the scores) or compiled into a fused kernel with that
+    torch.compile mode, one per process and mode (static shapes: each bucket compiles once)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    if compile == "off":
+        return flex_attention
+    return torch.compile(flex_attention, dynamic=False, mode=None if compile == "default" else compile)
 
 
 class SwiGLU(nn.Module):

@@ -29,14 +29,14 @@ class LLaDA2Attention(nn.Module):
         self.key_layernorm = RMSNorm(hd, cfg.rms_norm_eps)
         self.dense = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size, False, tp)
 
-    def forward(self, x, cos, sin, mask, cache, layer, slots):
+    def forward(self, x, cos, sin, mask, cache, layer, kv_at):
         b, n, _ = x.shape
         qkv = self.query_key_value(x).view(b, n, self.n_heads + 2 * self.n_kv, self.hd)
         q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
         q = self.query_layernorm(q).transpose(1, 2)
         k = self.key_layernorm(k).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.dense(self_attention(q, k, v.transpose(1, 2), mask, cache, layer, slots))
+        return self.dense(self_attention(q, k, v.transpose(1, 2), mask, cache, layer, kv_at))
 
 
 class LLaDA2Gate(nn.Module):
@@ -104,8 +104,8 @@ class LLaDA2DecoderLayer(nn.Module):
         dense = cfg.num_experts == 0 or layer < cfg.first_k_dense_replace
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, tp) if dense else LLaDA2SparseMoE(cfg, tp)
 
-    def forward(self, h, cos, sin, mask, cache, layer, slots):
-        h = h + self.attention(self.input_layernorm(h), cos, sin, mask, cache, layer, slots)
+    def forward(self, h, cos, sin, mask, cache, layer, kv_at):
+        h = h + self.attention(self.input_layernorm(h), cos, sin, mask, cache, layer, kv_at)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -9,7 +9,18 @@ BlockMask from per-row key-block counts, never materialising an L x L tensor.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class FlexMask:
+    """A FlexAttention BlockMask and the torch.compile mode its kernel runs under ("off": eager flex, the
+    reference; "default" / "max-autotune": one fused kernel per shape)."""
+
+    block_mask: object
+    compile: str = "default"
 
 
 def block_causal_dense(q_pos: torch.Tensor, kv_len: int, visible: torch.Tensor, block_size: int) -> torch.Tensor:

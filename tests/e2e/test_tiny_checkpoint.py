@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mbd.config import ModelConfig, read_json
-from mbd.decoding import EngineSpec, build_engine
+from mbd.decoding import EngineConfig, build_engine
 from mbd.tiny.benchmark import TinyMath
 from mbd.tiny.vocab import build_tokenizer
 from pipelines.generate import load_decode_config
@@ -33,8 +33,8 @@ def provenance() -> dict:
 
 @pytest.fixture(scope="module")
 def singlebd_results():
-    engine = build_engine(EngineSpec(path=str(DEFAULT_OUT), device="cpu", max_batch_slots=SAMPLE),
-                          load_decode_config(str(ROOT / "configs/decode/tiny_singlebd.yaml")))
+    engine = build_engine(DEFAULT_OUT, load_decode_config(str(ROOT / "configs/decode/tiny_singlebd.yaml")),
+                          EngineConfig(device="cpu", dtype="float32", max_batch_rows=SAMPLE))
     problems = TinyMath().load(limit=SAMPLE)
     return problems, engine.generate([p.prompt_text for p in problems])
 

@@ -62,11 +62,11 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ref(ckpt):
     """The engine called directly, with the deployment's decode config and slots."""
-    from mbd.decoding import Engine
+    from mbd.decoding import Engine, EngineConfig
     from mbd.model import load_checkpoint
     from mbd.tokenizer import Tokenizer
     from tests.integration.test_serve_units import DECODE
 
     model, cfg = load_checkpoint(ckpt)
     tok = Tokenizer.from_dir(ckpt, cfg)
-    return Engine(model, tok, DECODE, max_batch_slots=SERVE_SLOTS), tok
+    return Engine(model, tok, DECODE, EngineConfig(max_batch_rows=SERVE_SLOTS)), tok

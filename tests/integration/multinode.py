@@ -25,7 +25,9 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+import psutil
 
 from actors.tp_worker import free_port
 from pipelines.process_tree import descendants, end_processes
@@ -50,10 +52,47 @@ def _address_file_kept() -> Iterator[None]:
             path.write_text(before)
 
 
+@contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """`env` in os.environ (which the node processes started meanwhile inherit), then as it was."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _node_ip() -> str:
+    from ray._private.services import get_node_ip_address
+
+    return get_node_ip_address()
+
+
 def _free_port_not_reserved() -> int:
     from pipelines.ray_session import dashboard_port
 
     return dashboard_port()  # a free port that none of Ray's fixed default ports is
+
+
+STARTUP_ATTEMPTS = 3
+
+
+def _retrying_startup(start: Callable[[], Any]) -> Any:
+    """`start()`, again (up to STARTUP_ATTEMPTS times) when Ray's fixed 30 s wait for a new raylet to register
+    runs out, as on a heavily loaded machine; the processes of a failed attempt are ended first."""
+    for attempt in range(1, STARTUP_ATTEMPTS + 1):
+        before = {p.pid for p in psutil.Process().children()}
+        try:
+            return start()
+        except Exception as e:  # Ray raises a bare Exception for it
+            if "timed out during startup" not in str(e) or attempt == STARTUP_ATTEMPTS:
+                raise
+            end_processes(descendants([p.pid for p in psutil.Process().children() if p.pid not in before]))
 
 
 class LocalCluster:
@@ -69,6 +108,7 @@ class LocalCluster:
         self.autoscaling_config = autoscaling_config
         self.port = free_port()
         self.cluster: Any = None
+        self.env: dict[str, str] = {}
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -76,7 +116,10 @@ class LocalCluster:
         return self.cluster.address
 
     def start(self, env: dict[str, str] | None = None) -> "LocalCluster":
-        """Start the head (its processes inherit `env` on top of this process's environment)."""
+        """Start the head (its processes inherit `env` on top of this process's environment). Every node's
+        processes get RAY_ADDRESS naming this cluster: Ray code that looks a cluster up by itself (Ray Train's
+        placement-group cleaner asks the State API whether the run's controller lives) would otherwise find Ray's
+        machine-wide `ray_current_cluster` record, which may name another user's cluster."""
         from ray.cluster_utils import Cluster
 
         head = dict(gcs_server_port=self.port, num_cpus=self.head_cpus, object_store_memory=self.object_store_mb * MB,
@@ -84,23 +127,17 @@ class LocalCluster:
                     dashboard_port=_free_port_not_reserved(),
                     dashboard_agent_listen_port=_free_port_not_reserved(), _system_config=self.system_config,
                     autoscaling_config=self.autoscaling_config)
-        saved = {k: os.environ.get(k) for k in (env or {})}
-        os.environ.update(env or {})
-        try:
-            with _address_file_kept():
-                self.cluster = Cluster(initialize_head=True, head_node_args=head)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        self.env = {"RAY_ADDRESS": f"{_node_ip()}:{self.port}", **(env or {})}
+        with _environment(self.env), _address_file_kept():
+            self.cluster = _retrying_startup(lambda: Cluster(initialize_head=True, head_node_args=head))
         return self
 
     def add_node(self, num_cpus: float = 1, resources: dict | None = None, object_store_mb: int | None = None):
         """A worker node (a raylet of its own); returns Ray's Node object (`.node_id`)."""
-        return self.cluster.add_node(num_cpus=num_cpus, resources=resources or {},
-                                     object_store_memory=(object_store_mb or self.object_store_mb) * MB)
+        with _environment(self.env):
+            return _retrying_startup(lambda: self.cluster.add_node(
+                num_cpus=num_cpus, resources=resources or {},
+                object_store_memory=(object_store_mb or self.object_store_mb) * MB))
 
     def remove_node(self, node, graceful: bool = True) -> None:
         """End a worker node's raylet and everything under it (its workers die with it: a lost node)."""
@@ -168,8 +205,6 @@ def fake_provider_config(cluster: LocalCluster, worker_types: dict[str, dict], i
                          max_workers: int) -> dict:
     """The autoscaler's cluster config for Ray's fake multi-node provider, pointed at this cluster's GCS port
     (the provider's default is 6379, another cluster's)."""
-    from ray._private.services import get_node_ip_address
-
     types = {name: {"node_config": {}, "min_workers": t.get("min_workers", 0),
                     "max_workers": t.get("max_workers", max_workers),
                     "resources": {"object_store_memory": cluster.object_store_mb * MB, **t["resources"]}}
@@ -181,7 +216,7 @@ def fake_provider_config(cluster: LocalCluster, worker_types: dict[str, dict], i
         "max_workers": max_workers,
         "upscaling_speed": 1.0,
         "idle_timeout_minutes": idle_timeout_s / 60,
-        "provider": {"type": "fake_multinode", "gcs_address": f"{get_node_ip_address()}:{cluster.port}",
+        "provider": {"type": "fake_multinode", "gcs_address": f"{_node_ip()}:{cluster.port}",
                      "disable_launch_config_check": True, "disable_node_updaters": True, "use_node_id_as_ip": True},
         "auth": {"ssh_user": "ubuntu"},
         "docker": {},

@@ -33,7 +33,8 @@ def sweep(model_dir, out) -> SweepConfig:
                                                "code": "configs/decode/tiny_multibd.yaml"},
                    "overrides": {**short, "buffer_size": 2}}],
         benchmarks=[{"name": "tinymath", "limit": 4}, {"name": "gsm8k", "limit": 2}, {"name": "mbpp_plus", "limit": 2}],
-        batch_size=2, trace_problems=2, device="cpu", workers=1, cpus_per_worker=0.5, cpus_per_scorer=0.25)
+        engine={"device": "cpu", "max_batch_rows": 2}, trace_problems=2, workers=1, cpus_per_worker=0.5,
+        cpus_per_scorer=0.25)
 
 
 def test_sweep_end_to_end_and_resume(ray_cluster, model_dir, tmp_path):
@@ -88,7 +89,8 @@ def test_fewshot_sweep_beside_zero_shot(ray_cluster, model_dir, tmp_path):
         decoding=[{"name": "single", "config": "configs/decode/tiny_singlebd.yaml",
                    "overrides": {"max_length": 512, "max_new_tokens": 8, "max_nfe": 16}}],
         benchmarks=[{"name": "tinymath", "limit": 3}, {"name": "tinymath", "limit": 3, "fewshot": 2}],
-        batch_size=2, trace_problems=0, device="cpu", workers=1, cpus_per_worker=0.5, cpus_per_scorer=0.25)
+        engine={"device": "cpu", "max_batch_rows": 2}, trace_problems=0, workers=1, cpus_per_worker=0.5,
+        cpus_per_scorer=0.25)
     splits = load_splits(cfg)
     few = splits["tinymath+2shot"]
     exemplar_ids = {p.problem_id for p in few.exemplars}

@@ -1,7 +1,8 @@
 """Node loss while serving: on a cluster of a head (the HTTP proxy and the ingress, no CPU) and three 1-CPU worker
 nodes, two decoder replicas (one per node) serve streaming clients over real HTTP; the node of one replica is
 killed mid-stream. Counted: a request may fail only if it was in flight when the node died, and only cleanly
-(a 503 with Retry-After before the stream starts, or an in-band error event that ends the stream); every
+(a 503 with Retry-After before the stream starts, or an in-band error event that ends the stream; a request
+whose replica died before its first block is sent again by the ingress and does not fail); every
 request started after Serve has replaced the replica succeeds; /health answers 200 throughout; the replica is
 replaced on the spare node."""
 
@@ -22,8 +23,8 @@ MAX_TOKENS = 24
 
 def _config(ckpt) -> ServeConfig:
     return ServeConfig.model_validate({
-        "model": {"path": str(ckpt), "name": "mbd-test", "max_batch_slots": 4, "num_cpus_per_rank": 1,
-                  "torch_threads": 1},
+        "model": {"path": str(ckpt), "name": "mbd-test", "num_cpus_per_rank": 1},
+        "engine": {"device": "cpu", "threads": 1, "max_batch_rows": 4},
         "decode": DECODE.model_dump(),
         "decoder": {"max_ongoing_requests": 8, "max_queued_requests": 64, "retry_after_s": 1,
                     "autoscaling": {"min_replicas": 2, "max_replicas": 2},

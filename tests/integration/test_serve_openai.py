@@ -34,8 +34,8 @@ def base(ray_cluster, ckpt):
 
     port = free_port()
     cfg = ServeConfig.model_validate({
-        "model": {"path": str(ckpt), "name": MODEL, "max_batch_slots": SLOTS, "num_cpus_per_rank": 0.1,
-                  "torch_threads": 1},
+        "model": {"path": str(ckpt), "name": MODEL, "num_cpus_per_rank": 0.1},
+        "engine": {"max_batch_rows": SLOTS, "threads": 1},
         "decode": DECODE.model_dump(),
         "limits": {"default_max_tokens": 16},
         "decoder": {"max_ongoing_requests": 32, "max_queued_requests": 256, "health_check_period_s": 2},

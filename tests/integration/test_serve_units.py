@@ -11,7 +11,7 @@ import torch
 from actors.decoder import EngineDead, EngineHost
 from actors.tp_worker import ModelSpec
 from mbd.config import ConfigError, DecodeConfig, ModelConfig
-from mbd.decoding import Engine
+from mbd.decoding import Engine, EngineConfig
 from mbd.model import build_model, load_checkpoint, save_checkpoint
 from mbd.tiny.vocab import save_tokenizer, special_token_ids, vocab
 from mbd.tokenizer import Tokenizer
@@ -59,7 +59,7 @@ def test_serve_configs_load(path):
     assert cfg.http.host == "127.0.0.1"  # loopback unless the operator opts out
     assert cfg.decode.buffer_size >= 1
     if cfg.model.tensor_parallel_size > 1:
-        assert cfg.model.device == "cuda" and cfg.model.num_gpus_per_rank == 1
+        assert cfg.engine.device == "cuda" and cfg.model.num_gpus_per_rank == 1
 
 
 def test_tiny_config_points_at_embedded_model():
@@ -71,6 +71,10 @@ def test_bad_serve_config_names_the_field(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("model: {path: x, tensor_parallel_size: 0}\n")
     with pytest.raises(ConfigError, match="model.tensor_parallel_size"):
+        load_serve_config(p)
+    # a replica that accepts fewer requests than it has batch rows would leave rows empty
+    p.write_text("model: {path: x}\nengine: {max_batch_rows: 8}\ndecoder: {max_ongoing_requests: 4}\n")
+    with pytest.raises(ConfigError, match="decoder.max_ongoing_requests=4 leaves batch rows empty"):
         load_serve_config(p)
 
 
@@ -89,9 +93,9 @@ def test_field_path(loc, want):
 
 
 async def _collect(host: EngineHost, ids: list[int], params: DecodeConfig, n: int | None = None,
-                   constraint=None) -> list:
+                   per_block: bool = True, constraint=None) -> list:
     out = []
-    async with aclosing(host.generate(ids, params, constraint=constraint)) as gen:
+    async with aclosing(host.generate(ids, params, per_block=per_block, constraint=constraint)) as gen:
         async for d in gen:
             out.append(d)
             if n is not None and len(out) == n:
@@ -103,12 +107,15 @@ def test_engine_host_matches_engine_and_aborts_on_early_exit(ckpt, tok):
     model, _ = load_checkpoint(ckpt)
     ids = tok.encode("12+7=")
     params = DECODE.model_copy(update={"max_new_tokens": 24})
-    want = Engine(model, tok, DECODE, max_batch_slots=2).generate([ids], params)[0]
-    host = EngineHost(ModelSpec(path=str(ckpt), max_batch_slots=2), DECODE)
+    want = Engine(model, tok, DECODE, EngineConfig(max_batch_rows=2)).generate([ids], params)[0]
+    host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
     try:
         deltas = asyncio.run(_collect(host, ids, params))
         assert [t for d in deltas for t in d.token_ids] == want.token_ids
         assert deltas[-1].finished and deltas[-1].nfe == want.nfe and deltas[-1].finish_reason == want.finish_reason
+        # per_block=False: the engine thread merges the blocks and hands over the whole generation once
+        (whole,) = asyncio.run(_collect(host, ids, params, per_block=False))
+        assert (whole.token_ids, whole.finished, whole.nfe) == (want.token_ids, True, want.nfe)
         # leaving after the first block aborts the request inside the engine and frees its slot
         asyncio.run(_collect(host, ids, DECODE.model_copy(update={"tau_m2t": 1.0}), n=1))
         for _ in range(200):
@@ -122,7 +129,7 @@ def test_engine_host_matches_engine_and_aborts_on_early_exit(ckpt, tok):
 
 
 def test_engine_host_refuses_bad_request_without_dying(ckpt, tok):
-    host = EngineHost(ModelSpec(path=str(ckpt), max_batch_slots=2), DECODE)
+    host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
     try:
         with pytest.raises(ValueError, match="buffer_size"):
             host.validate(tok.encode("1+1="), DECODE.model_copy(update={"buffer_size": 3}))
@@ -138,7 +145,7 @@ def test_engine_host_refuses_bad_request_without_dying(ckpt, tok):
 
 
 def test_engine_loop_death_fails_requests_and_health(ckpt, tok):
-    host = EngineHost(ModelSpec(path=str(ckpt), max_batch_slots=2), DECODE)
+    host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
     host._inbox.put(("add", "poison", None, DECODE))  # bypasses validation: the engine raises TypeError
     host._thread.join(timeout=10)
     with pytest.raises(EngineDead):
@@ -182,7 +189,7 @@ def test_ignore_eos_decodes_past_eos(tmp_path):
     model, cfg = load_checkpoint(ck)
     eos = torch.tensor([cfg.eos_token_id])
     model.lm_head.register_forward_hook(lambda _m, _i, out: out.index_fill(-1, eos, 1e4))
-    engine = Engine(model, Tokenizer.from_dir(ck, cfg), DECODE, max_batch_slots=2)
+    engine = Engine(model, Tokenizer.from_dir(ck, cfg), DECODE, EngineConfig(max_batch_rows=2))
     ids = engine.tokenizer.encode("1+1=")
     plain = engine.generate([ids], {"max_new_tokens": 12})[0]
     forced = engine.generate([ids], {"max_new_tokens": 12, "ignore_eos": True})[0]
@@ -228,7 +235,7 @@ def test_engine_host_constrains_and_reports_cached_tokens(ckpt, tok):
 
     from mbd.decoding.constraints import ConstraintSpec
 
-    host = EngineHost(ModelSpec(path=str(ckpt), max_batch_slots=2), DECODE)
+    host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
     try:
         ids = tok.encode("7*8+9*6-4;" * 4)  # 40 tokens: two full pages
         params = DECODE.model_copy(update={"max_new_tokens": 24})
@@ -249,7 +256,7 @@ def test_engine_host_constrains_and_reports_cached_tokens(ckpt, tok):
 def test_engine_host_streams_provisional_blocks(ckpt, tok):
     """provisional=True: deltas also carry the not-yet-final blocks (masks included, at most one block each),
     and the committed tokens are those of a request without it."""
-    host = EngineHost(ModelSpec(path=str(ckpt), max_batch_slots=2), DECODE)
+    host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
     try:
         ids = tok.encode("12+7=")
         params = DECODE.model_copy(update={"max_new_tokens": 24})

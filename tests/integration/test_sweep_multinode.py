@@ -15,12 +15,12 @@ FAST_DEATH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 
 SAME = ("completion", "correct", "nfe", "num_generated", "finish_reason")  # what decoding decides; timings vary
 
 
-def config(model_dir, out, workers: int) -> SweepConfig:
+def config(ckpt_dir, out, workers: int) -> SweepConfig:
     return SweepConfig(
-        name="mn", output_dir=str(out), models=[{"name": "rand", "path": str(model_dir)}],
+        name="mn", output_dir=str(out), models=[{"name": "rand", "path": str(ckpt_dir)}],
         decoding=[{"name": "single", "config": "configs/decode/tiny_singlebd.yaml",
                    "overrides": {"max_length": 512, "max_new_tokens": 8, "max_nfe": 16}}],
-        benchmarks=[{"name": "tinymath", "limit": 64}], batch_size=2, trace_problems=0, device="cpu",
+        benchmarks=[{"name": "tinymath", "limit": 64}], engine={"device": "cpu", "max_batch_rows": 2}, trace_problems=0,
         workers=workers, cpus_per_worker=1, cpus_per_scorer=0.5, reserve_timeout_s=300)
 
 
@@ -31,7 +31,7 @@ def reference(cfg: SweepConfig) -> dict[str, dict]:
     splits = load_splits(cfg)
     units, _ = plan_units(cfg, {k: s.scored for k, s in splits.items()}, ResultStore(cfg.output_dir + "-none"),
                           {k: s.exemplars for k, s in splits.items()})
-    engines, out = EngineCache("cpu", cfg.batch_size), {}
+    engines, out = EngineCache(cfg.engine), {}
     for u in units:
         decoded = decode_prompts(engines.get(u.cell.model, u.params), u.prompts(), u.params, u.keep_trace)
         for p, d in zip(u.problems, decoded.decoded):

@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from mbd.config import ConfigError, DecodeConfig, load_yaml
+from mbd.config import ConfigError, DecodeConfig, load_decode, load_yaml
 from mbd.model import build_model, save_checkpoint
 from pipelines.generate import main
 from tests.conftest import tiny_cfg
@@ -62,7 +62,7 @@ def test_generate_cli_errors(model_dir, tmp_path, capsys):
 def test_decode_configs_cover_the_table():
     table = sorted(p for p in CONFIGS.glob("*.yaml") if not p.name.startswith("tiny_"))
     assert len(table) == 32  # rows of tab:appendix_infer_hparams
-    cfgs = {p.stem: load_yaml(p, DecodeConfig) for p in table}
+    cfgs = {p.stem: load_decode(p)[0] for p in table}
     sdar_b4 = cfgs["sdar-8b-chat-b4_multibd-tf_math"]
     assert (sdar_b4.buffer_size, sdar_b4.block_size, sdar_b4.tau_add, sdar_b4.tau_semi) == (4, 4, 0.10, 0.25)
     assert cfgs["llada2-mini-dmax_mbd_code"].tau_stable == 0.5 and cfgs["llada2.1-mini_singlebd_math"].tau_t2t == 0.5
@@ -70,3 +70,33 @@ def test_decode_configs_cover_the_table():
     assert all((c.max_length, c.max_new_tokens, c.max_nfe) == (4096, 4096, 1024) for c in cfgs.values())
     with pytest.raises(ConfigError):
         load_yaml(CONFIGS / "tiny_multibd.yaml", DecodeConfig, section="decode")
+
+
+def test_generate_sets_and_prints_the_engine_config(model_dir, capsys, monkeypatch):
+    """`--set engine.x=...` goes through the one config loader; -v prints the engine config once, first."""
+    import mbd.decoding
+
+    built = []
+    real = mbd.decoding.build_engine
+    monkeypatch.setattr(mbd.decoding, "build_engine", lambda *a: built.append(real(*a)) or built[-1])
+    rc = main(["--model", str(model_dir), "--config", str(CONFIGS / "tiny_singlebd.yaml"), "--raw", "-v",
+               "--set", "engine.attention=flex", "--set", "engine.compile=off", "--set", "max_new_tokens=4", "b0 c0"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert err.count("mbd generate: engine: ") == 1 and "attention=flex" in err and "compile=off" in err
+    assert (built[0].runner.attention, built[0].cfg.max_new_tokens) == ("flex", 4)
+
+
+def test_serve_prints_the_engine_config_once(monkeypatch, capsys):
+    import ray
+
+    from serve_app.run import main as serve_main
+
+    class Stop(Exception):
+        pass
+
+    monkeypatch.setattr(ray, "init", lambda **kw: (_ for _ in ()).throw(Stop()))
+    with pytest.raises(Stop):
+        serve_main(["--config", str(CONFIGS.parent / "serve" / "tiny.yaml"), "--set", "engine.attention=flex"])
+    out = capsys.readouterr().out
+    assert out.count("mbd serve: engine: ") == 1 and "attention=flex" in out and "max_batch_rows=8" in out

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mbd.config import DecodeConfig
-from mbd.decoding import Engine, NaiveMultiBD, SingleBD
+from mbd.decoding import Engine, EngineConfig, NaiveMultiBD, SingleBD
 from mbd.decoding.runner import span_bucket
 from mbd.decoding.trace import summarize
 from mbd.model import KVCache, build_model
@@ -63,7 +63,7 @@ def max_active(trace):
 def test_engine_equals_naive_multibd(family, kw):
     model, cfg = tempered_model(family)
     dc = dcfg(**kw)
-    engine = Engine(model, None, dc, max_batch_slots=1, trace=True)
+    engine = Engine(model, None, dc, EngineConfig(max_batch_rows=1, trace=True))
     naive = NaiveMultiBD(model, dc, [cfg.eos_token_id])
     multi = False
     for prompt in PROMPTS:
@@ -80,7 +80,7 @@ def test_engine_equals_naive_multibd(family, kw):
 def test_singlebd_equivalences(family, buffer_size, tau_add):
     model, cfg = tempered_model(family)
     dc = dcfg(buffer_size=buffer_size, tau_add=tau_add, tau_m2t=0.1)
-    engine = Engine(model, None, dc, max_batch_slots=1, trace=True)
+    engine = Engine(model, None, dc, EngineConfig(max_batch_rows=1, trace=True))
     ref = SingleBD(model, dc, [cfg.eos_token_id])
     for prompt in PROMPTS:
         got, want = engine.generate([prompt])[0], ref.generate(prompt)
@@ -91,7 +91,7 @@ def test_singlebd_equivalences(family, buffer_size, tau_add):
 def test_kv_cached_decoding_equals_full_recompute(family):
     model, cfg = tempered_model(family)
     for dc in (dcfg(tau_m2t=0.1), dcfg(buffer_size=1, tau_add=None, tau_m2t=0.1)):
-        engine = Engine(model, None, dc, max_batch_slots=1)
+        engine = Engine(model, None, dc, EngineConfig(max_batch_rows=1))
         full = NaiveMultiBD(model, dc, [cfg.eos_token_id], recompute=True)
         single_full = SingleBD(model, dc, [cfg.eos_token_id], recompute=True)
         for prompt in PROMPTS[:3]:
@@ -106,13 +106,13 @@ def test_forward_shapes_come_from_buckets():
     """Shapes are static per bucket: batch = a batch bucket, queries = k whole slots (k <= N_buf: only
     trailing DUMMY slots are skipped), keys = a span bucket; a fully static batch stays at batch_slots."""
     model, _ = tempered_model("sdar")
-    engine = Engine(model, None, dcfg(tau_m2t=0.1), max_batch_slots=1)
+    engine = Engine(model, None, dcfg(tau_m2t=0.1), EngineConfig(max_batch_rows=1))
     engine.generate(PROMPTS)
     shapes = engine.runner.shapes
     assert {b for b, _, _ in shapes} == {1} and {q for _, q, _ in shapes} == {4, 8, 12}
     assert all(span == span_bucket(span, engine.runner.cache.size) for _, _, span in shapes)
     assert shapes.total() == engine.stats.steps
-    engine = Engine(model, None, dcfg(tau_m2t=0.1), max_batch_slots=3, batch_buckets=[3])
+    engine = Engine(model, None, dcfg(tau_m2t=0.1), EngineConfig(max_batch_rows=3, batch_buckets=[3]))
     engine.generate(PROMPTS + PROMPTS[:2])
     assert {b for b, _, _ in engine.runner.shapes} == {3}
 
@@ -127,7 +127,7 @@ def run_batch_with_joins(engine, jobs):
             ids[engine.add_request(prompt, params)] = prompt
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        occupancy.append(len(engine.sched.running))
+        occupancy.append(len(engine.scheduler.running))
         step += 1
     return ids, out, occupancy
 
@@ -139,13 +139,13 @@ def test_batch_equals_alone_with_joins_and_leaves(family):
     jobs = [(0, PROMPTS[0], None), (0, PROMPTS[1], {"max_new_tokens": 6}), (2, PROMPTS[2], {"buffer_size": 2}),
             (3, PROMPTS[3], None), (5, PROMPTS[1], {"max_new_tokens": 13, "tau_m2t": 0.3}), (9, [7, 7, 7, 7, 7], None)]
     for buckets in (None, [3]):
-        engine = Engine(model, None, dc, max_batch_slots=3, batch_buckets=buckets)
+        engine = Engine(model, None, dc, EngineConfig(max_batch_rows=3, batch_buckets=buckets))
         ids, out, occupancy = run_batch_with_joins(engine, jobs)
         assert max(occupancy) == 3 and 0 < min(occupancy[:-1]) < 3  # full at times, requests left mid-run
         for (rid, prompt), (_, _, params) in zip(ids.items(), jobs):
             alone = NaiveMultiBD(model, engine.resolve_params(params), [cfg.eos_token_id]).generate(prompt)
             assert out[rid] == alone.token_ids
-        assert engine.num_free_slots() == 3 and not engine.has_unfinished()
+        assert engine.num_free_rows() == 3 and not engine.has_unfinished()
     assert naive.generate(PROMPTS[0]).token_ids == out[next(iter(ids))]
 
 
@@ -154,7 +154,7 @@ ORDER = ["DUMMY", "ACTIVE", "TO_CACHE", "IN_CACHE"]
 
 def test_slot_transitions_and_decode_store_overlap(family):
     model, _ = tempered_model(family)
-    engine = Engine(model, None, dcfg(tau_m2t=0.1, max_new_tokens=40), max_batch_slots=1, trace=True)
+    engine = Engine(model, None, dcfg(tau_m2t=0.1, max_new_tokens=40), EngineConfig(max_batch_rows=1, trace=True))
     for prompt in PROMPTS:
         res = engine.generate([prompt])[0]
         aligned = len(prompt) // 4 * 4
@@ -168,13 +168,17 @@ def test_slot_transitions_and_decode_store_overlap(family):
         overlap = [e for e in res.trace if e["states"][0] == "TO_CACHE" and "ACTIVE" in e["states"]]
         assert overlap, "a completed block was never stored while a later block was decoded"
         stats = summarize([res.trace])
-        assert stats["forwards"] == res.nfe == sum(stats["active_blocks_hist"].values())
-        assert 1 <= stats["active_blocks_mean"] <= 3 and all(0 <= r <= 1 for r in stats["mask_ratio_by_rank"].values())
+        hist = stats["active_blocks_hist"]
+        assert stats["forwards"] == res.nfe == sum(hist.values())
+        last = res.trace[-1]  # the forward that stores the last blocks ends the request and decodes nothing
+        assert all(r is None for r in last["mask_ratio"]) and "TO_CACHE" in last["states"]
+        decoding = sum(k * v for k, v in hist.items()) / (res.nfe - hist.get(0, 0))
+        assert 1 <= decoding <= 3 and all(0 <= r <= 1 for r in stats["mask_ratio_by_rank"].values())
 
 
 def test_committed_kv_equals_full_forward(family):
     model, cfg = tempered_model(family)
-    engine = Engine(model, None, dcfg(tau_m2t=0.1, max_new_tokens=30), max_batch_slots=2)
+    engine = Engine(model, None, dcfg(tau_m2t=0.1, max_new_tokens=30), EngineConfig(max_batch_rows=2))
     prompt = PROMPTS[0]
     reqs = [engine._add(p, None, None) for p in (PROMPTS[2], prompt)]  # the second request decodes in row 1
     while engine.has_unfinished():
@@ -182,12 +186,12 @@ def test_committed_kv_equals_full_forward(family):
     res = [engine.result(r) for r in reqs]
     assert res[1].finish_reason == "length"
     cache = engine.runner.cache
-    assert int(cache.lengths[1]) == 0 and engine.kv.tables[1] == []  # a finished row holds nothing
+    assert 1 not in engine.scheduler.running and engine.kv.tables[1] == []  # a finished row holds nothing
     # its committed full pages stay in the pool, registered for reuse under the sequence's tokens
-    seq = (prompt + res[1].token_ids)[: reqs[1].cache_len]
+    seq = (prompt + res[1].token_ids)[: reqs[1].committed]
     pages = [p for p, _ in engine.kv.match(seq)]
     n = len(pages) * cache.page_size
-    assert n > len(prompt) + 8 and n > reqs[1].cache_len - cache.page_size
+    assert n > len(prompt) + 8 and n > reqs[1].committed - cache.page_size
     ref = KVCache(cfg, 1, n, dtype=torch.float64, page_size=cache.page_size)
     pos = torch.arange(n)[None]
     with torch.no_grad():
@@ -206,9 +210,9 @@ def test_cuda_graph_replay_equals_eager():
         model.lm_head.weight.mul_(10)
     model = model.cuda()
     dc = dcfg(tau_m2t=0.1)
-    graph = Engine(model, None, dc, max_batch_slots=4, use_cuda_graphs=True)
-    eager = Engine(model, None, dc, max_batch_slots=4, use_cuda_graphs=False)
-    flex = Engine(model, None, dc, max_batch_slots=4, use_cuda_graphs=True, attention="flex")
+    graph = Engine(model, None, dc, EngineConfig(max_batch_rows=4, cuda_graphs="on"))
+    eager = Engine(model, None, dc, EngineConfig(max_batch_rows=4, cuda_graphs="off"))
+    flex = Engine(model, None, dc, EngineConfig(max_batch_rows=4, cuda_graphs="on", attention="flex"))
     a, b, c = graph.generate(PROMPTS), eager.generate(PROMPTS), flex.generate(PROMPTS)
     assert graph.runner._graphs and flex.runner._graphs, "no graph was captured"
     assert [r.token_ids for r in a] == [r.token_ids for r in b] == [r.token_ids for r in c]
@@ -217,7 +221,7 @@ def test_cuda_graph_replay_equals_eager():
 
 def test_runner_mask_equals_block_causal_dense():
     model, _ = tempered_model("sdar")
-    runner = Engine(model, None, dcfg(), max_batch_slots=3).runner
+    runner = Engine(model, None, dcfg(), EngineConfig(max_batch_rows=3)).runner
     lengths = torch.tensor([0, 8, 40])
     pos = lengths[:, None] + torch.arange(12)
     for n_res in ([0, 1, 3], [1, 2, 3], [3, 0, 2]):
@@ -243,7 +247,7 @@ def test_span_buckets_equal_full_cache(family):
     model.cfg = tiny_cfg(family, max_position_embeddings=1024)
     dc = dcfg(max_length=600, max_new_tokens=24, tau_m2t=0.1)
     long_prompts = [list(range(3, 13)), [(7 * i) % 60 for i in range(131)], [(5 * i + 1) % 60 for i in range(330)]]
-    engine = Engine(model, None, dc, max_batch_slots=2)
+    engine = Engine(model, None, dc, EngineConfig(max_batch_rows=2))
     jobs = [(0, long_prompts[0], None), (0, long_prompts[1], None), (4, long_prompts[2], {"buffer_size": 2}),
             (6, long_prompts[0], {"max_new_tokens": 40})]
     ids, out, _ = run_batch_with_joins(engine, jobs)
@@ -256,19 +260,18 @@ def test_span_buckets_equal_full_cache(family):
 
 def test_span_forward_equals_full_cache_forward():
     model, cfg = tempered_model("sdar")
-    engine = Engine(model, None, dcfg(tau_m2t=0.1), max_batch_slots=2)
+    engine = Engine(model, None, dcfg(tau_m2t=0.1), EngineConfig(max_batch_rows=2))
     for p in (PROMPTS[3], PROMPTS[0]):
         engine.add_request(p)
     for _ in range(6):
         engine.step()
     runner = engine.runner
+    runner.sync(engine.scheduler.decode_batch().layout)  # the device state the next forward would see
     with torch.inference_mode():
         n_buf = engine.n_buf
         # a window of all n_buf slots starts at slot 0: logits of every position
         short = runner.forward(2, n_buf, runner.span(int(runner.cache.lengths.max()), n_buf), n_buf)[0].clone()
-        runner.invalidate()
         full = runner.forward(2, n_buf, runner.cache.size, n_buf)[0].clone()
-        runner.invalidate()
         first = runner.forward(2, 1, runner.span(int(runner.cache.lengths.max()), 1), 1)[0]
     assert runner.span(int(runner.cache.lengths.max()), n_buf) < runner.cache.size
     torch.testing.assert_close(short, full, atol=1e-10, rtol=1e-10)
@@ -305,8 +308,8 @@ def test_decode_block_mask_skips_only_invisible_key_blocks():
 def test_flex_engine_equals_sdpa_engine():
     model, cfg = tempered_model("sdar")
     dc = dcfg(tau_m2t=0.1)
-    flex = Engine(model, None, dc, max_batch_slots=2, attention="flex")
-    sdpa = Engine(model, None, dc, max_batch_slots=2)
+    flex = Engine(model, None, dc, EngineConfig(max_batch_rows=2, attention="flex", compile="off"))
+    sdpa = Engine(model, None, dc, EngineConfig(max_batch_rows=2))
     a, b = flex.generate(PROMPTS[::2]), sdpa.generate(PROMPTS[::2])
     assert [r.token_ids for r in a] == [r.token_ids for r in b] and [r.nfe for r in a] == [r.nfe for r in b]
 
@@ -333,7 +336,7 @@ def test_logits_only_for_active_slots(family):
     window of the row with the most ACTIVE slots, per row. Decisions stay the naive reference's."""
     model, cfg = tempered_model(family)
     dc = dcfg(tau_m2t=0.1)
-    engine = Engine(model, None, dc, max_batch_slots=1, trace=True)
+    engine = Engine(model, None, dc, EngineConfig(max_batch_rows=1, trace=True))
     naive = NaiveMultiBD(model, dc, [cfg.eos_token_id])
     for prompt in PROMPTS:
         (req,), per_step = head_rows_per_step(engine, [prompt])
@@ -341,7 +344,7 @@ def test_logits_only_for_active_slots(family):
         assert per_step == [4 * s.count("ACTIVE") for s in states]
         assert any("TO_CACHE" in s for s in states) and sum(per_step) < 4 * sum(len(s) - s.count("DUMMY") for s in states)
         assert req.output == naive.generate(prompt).token_ids
-    engine = Engine(model, None, dc, max_batch_slots=2, trace=True)
+    engine = Engine(model, None, dc, EngineConfig(max_batch_rows=2, trace=True))
     reqs, per_step = head_rows_per_step(engine, PROMPTS[:2])
     counts = [[e["states"].count("ACTIVE") for e in r.trace] for r in reqs]
     steps = max(map(len, counts))
@@ -362,15 +365,15 @@ def test_chunked_prefill_never_stalls_decoding(family, first_budget, join_step, 
     dc = dcfg(max_length=400, max_new_tokens=40, tau_m2t=0.1)
     long_prompt = [(7 * i + 3) % 60 for i in range(131)]  # 128 tokens prefilled, a 3-token tail
     early = [(0, PROMPTS[0], first_budget and {"max_new_tokens": first_budget}), (0, PROMPTS[3], {"buffer_size": 2, "max_new_tokens": 80})]
-    alone = Engine(model, None, dc, max_batch_slots=3)
+    alone = Engine(model, None, dc, EngineConfig(max_batch_rows=3))
     ids0, out0, _ = run_batch_with_joins(alone, early)
-    engine = Engine(model, None, dc, max_batch_slots=3, prefill_budget=18)  # 16: whole blocks
+    engine = Engine(model, None, dc, EngineConfig(max_batch_rows=3, prefill_budget=18))  # 16: whole blocks
     chunk_sizes: list[int] = []
     fused = engine.runner._fused
     engine.runner._fused = lambda key, chunks: (chunk_sizes.append(sum(len(c.ids) for c in chunks)), fused(key, chunks))[1]
     rows = []
-    activate = engine._activate
-    engine._activate = lambda req: (rows.append(req.row), activate(req))[1]
+    activate = engine.scheduler.activate
+    engine.scheduler.activate = lambda req: (rows.append(req.row), activate(req))[1]
     ids, out, _ = run_batch_with_joins(engine, early + [(join_step, long_prompt, None)])
     assert rows[-1] == row
     assert [out[i] for i in ids][:2] == [out0[i] for i in ids0]
@@ -378,4 +381,4 @@ def test_chunked_prefill_never_stalls_decoding(family, first_budget, join_step, 
     assert chunk_sizes == [16] * 8 and engine.stats.prefill_tokens == 8 + 16 + 128
     ref = NaiveMultiBD(model, dc, [model.cfg.eos_token_id]).generate(long_prompt)
     assert out[list(ids)[2]] == ref.token_ids
-    assert engine.sched.running == {} and not engine.has_unfinished()
+    assert engine.scheduler.running == {} and not engine.has_unfinished()

@@ -11,7 +11,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from torch import nn
 
 from mbd.config import DecodeConfig
-from mbd.decoding import Engine, NaiveMultiBD, Policy, SingleBD
+from mbd.decoding import Engine, EngineConfig, NaiveMultiBD, Policy, SingleBD
 from mbd.decoding.policy import ACTIVE, Kept
 from mbd.decoding.state import RequestParams
 from mbd.model import build_model
@@ -39,7 +39,7 @@ class ScriptedModel(nn.Module):
         self.mask_logit = mask_logit
         self.calls = 0
 
-    def forward(self, input_ids, position_ids, mask, cache=None, logits_at=None):
+    def forward(self, input_ids, position_ids, mask, cache=None, logits_at=None, token_conf=None):
         self.calls += 1
         pos = position_ids.clamp(max=len(self.tok) - 1)
         if logits_at is not None:  # the engine asks only for the positions it reads
@@ -141,7 +141,7 @@ def test_activation_and_finish_plan():
     pol = Policy(B, MASK)
     p = params(tau_add=0.5, tau_stable=0.5, buffer_size=3)
     go = dict(n_res=1, pre_tc=0, post_tc=0, filled_last=2, unchanged_last=Kept(1, 2), eos_seen=False, nfe=1,
-              cache_len=8)
+              committed=8)
     assert pol.plan(p, **go).activate  # progress 0.5 >= 0.5 and stability 0.5 >= 0.5 (the issue's >=)
     assert not pol.plan(p, **{**go, "unchanged_last": Kept(0, 2)}).activate
     assert not pol.plan(p, **{**go, "filled_last": 1, "unchanged_last": Kept(1, 1)}).activate  # progress 0.25
@@ -151,9 +151,15 @@ def test_activation_and_finish_plan():
     assert not pol.plan(p, **{**go, "eos_seen": True}).activate
     assert not pol.plan(p, **{**go, "n_res": 3}).activate  # no DUMMY slot left
     assert pol.plan(p, **{**go, "n_res": 1, "pre_tc": 1, "post_tc": 1, "filled_last": 0}).activate  # buffer emptied
-    assert pol.plan(p, **{**go, "post_tc": 1, "eos_seen": True}).finish == "done"
-    assert pol.plan(p, **{**go, "cache_len": 8 + 16 - 4}).finish is None  # next block would start at gen_end
-    assert pol.plan(p, **{**go, "cache_len": 8 + 16 - 4, "post_tc": 1}).finish == "done"
+    # the last block final (eos, or the next block would start at gen_end): done after its store forward
+    for last in ({"eos_seen": True}, {"committed": 8 + 16 - 4}):
+        final = pol.plan(p, **{**go, **last, "post_tc": 1})
+        assert (final.finish, final.activate) == (None, False)
+        stored = {**go, **last, "pre_tc": 1, "post_tc": 1}
+        stored["committed"] += B  # the store forward committed the block
+        assert pol.plan(p, **stored).finish == "done"
+        assert pol.plan(p, **{**go, **last, "post_tc": 1, "nfe": 100}).finish == "done"  # no forward left to store
+    assert pol.plan(p, **{**go, "committed": 8 + 16 - 4}).finish is None  # next block would start at gen_end
     assert pol.plan(p, **{**go, "nfe": 100}).finish == "max_nfe"
 
 
@@ -175,20 +181,20 @@ def test_tau_stable_counts_only_tokens_filled_before_the_step(ref):
     for ts in (None, 0.5):
         c = cfg(buffer_size=2, tau_add=0.1, tau_stable=ts)
         model = ScriptedModel(SCRIPT)
-        res = (Engine(model, None, c, max_batch_slots=1).generate([PROMPT])[0] if ref == "engine"
+        res = (Engine(model, None, c, EngineConfig(max_batch_rows=1)).generate([PROMPT])[0] if ref == "engine"
                else NaiveMultiBD(model, c, [EOS]).generate(PROMPT))
         assert res.token_ids == SCRIPT[8:24]
         runs[ts] = res.nfe
-    assert runs[0.5] == runs[None] == 4
+    assert runs[0.5] == runs[None] == 4 + 1  # 4 blocks, one forward each, and the last block's store forward
 
 
-@pytest.mark.parametrize("n_buf,expected_nfe", [(1, 2 * 4 - 1), (2, 4), (4, 4)])
+@pytest.mark.parametrize("n_buf,expected_nfe", [(1, 2 * 4), (2, 4 + 1), (4, 4 + 1)])
 def test_decode_store_overlap_nfe(n_buf, expected_nfe):
     """All tokens confident: a block completes in one forward. SingleBD then needs a separate store
-    forward per block (2K - 1 for K blocks); the Block Buffer stores while decoding the next block (K)."""
+    forward per block (2K for K blocks); the Block Buffer stores while decoding the next block (K, plus the
+    store forward of the last block, which ends the request and is counted, as in the authors' engine)."""
     model = ScriptedModel(SCRIPT)
-    res = Engine(model, None, cfg(buffer_size=n_buf, tau_add=0.5 if n_buf > 1 else None),
-                 max_batch_slots=1).generate([PROMPT])[0]
+    res = Engine(model, None, cfg(buffer_size=n_buf, tau_add=0.5 if n_buf > 1 else None), EngineConfig(max_batch_rows=1)).generate([PROMPT])[0]
     assert res.token_ids == SCRIPT[8:24] and res.finish_reason == "length"
     assert res.nfe == expected_nfe and res.tpf == 16 / expected_nfe
 
@@ -196,59 +202,61 @@ def test_decode_store_overlap_nfe(n_buf, expected_nfe):
 def test_prompt_tail_starts_first_block():
     model = ScriptedModel(SCRIPT)
     prompt = PROMPT + [20, 21]  # 10 tokens: 8 prefilled, 2 fixed in the first block
-    res = Engine(model, None, cfg(buffer_size=1, tau_add=None, max_new_tokens=6), max_batch_slots=1).generate([prompt])[0]
-    assert res.token_ids == SCRIPT[10:16] and res.nfe == 3  # blocks [8,12) and [12,16): decode, store, decode
+    res = Engine(model, None, cfg(buffer_size=1, tau_add=None, max_new_tokens=6), EngineConfig(max_batch_rows=1)).generate([prompt])[0]
+    assert res.token_ids == SCRIPT[10:16] and res.nfe == 4  # blocks [8,12) and [12,16): decode, store each
 
 
 def test_eos_cut_and_no_activation_after_eos():
     script = list(SCRIPT)
     script[13] = EOS  # 6th generated token
     model = ScriptedModel(script)
-    engine = Engine(model, None, cfg(buffer_size=4, tau_add=0.25, max_new_tokens=40), max_batch_slots=1, trace=True)
+    engine = Engine(model, None, cfg(buffer_size=4, tau_add=0.25, max_new_tokens=40), EngineConfig(max_batch_rows=1, trace=True))
     res = engine.generate([PROMPT])[0]
-    assert res.token_ids == script[8:13] and res.finish_reason == "eos" and res.num_generated == 6
+    # the EOS is not counted: 5 tokens, as the authors' engine counts its response cut before the stop token
+    assert res.token_ids == script[8:13] and res.finish_reason == "eos" and res.num_generated == 5
     ref = NaiveMultiBD(model, engine.cfg, [EOS]).generate(PROMPT)
-    assert (ref.token_ids, ref.nfe) == (res.token_ids, res.nfe)
-    assert res.nfe == 2  # block [12,16) holds EOS: it and its predecessor are complete after 2 forwards
+    assert (ref.token_ids, ref.nfe, ref.num_generated) == (res.token_ids, res.nfe, res.num_generated)
+    # block [12,16) holds EOS: it and its predecessor are complete after 2 forwards, the 3rd stores them
+    assert res.nfe == 3 and res.tpf == 5 / 3
 
 
 def test_max_new_tokens_and_max_nfe():
     model = ScriptedModel(SCRIPT)
-    res = Engine(model, None, cfg(max_new_tokens=6), max_batch_slots=1).generate([PROMPT])[0]
+    res = Engine(model, None, cfg(max_new_tokens=6), EngineConfig(max_batch_rows=1)).generate([PROMPT])[0]
     assert res.token_ids == SCRIPT[8:14] and res.finish_reason == "length"
     # below tau_m2t: one fallback token per forward, left to right (equal confidences would tie, and a tie is
     # broken by float rounding in the softmax, which differs by position)
     slow = ScriptedModel(SCRIPT, conf=[0.5 - 0.01 * (i % B) for i in range(len(SCRIPT))])
-    res = Engine(slow, None, cfg(buffer_size=1, tau_add=None, max_nfe=3), max_batch_slots=1).generate([PROMPT])[0]
+    res = Engine(slow, None, cfg(buffer_size=1, tau_add=None, max_nfe=3), EngineConfig(max_batch_rows=1)).generate([PROMPT])[0]
     assert (res.token_ids, res.nfe, res.finish_reason) == (SCRIPT[8:11], 3, "max_nfe")
     assert SingleBD(slow, cfg(buffer_size=1, tau_add=None, max_nfe=3), [EOS]).generate(PROMPT).token_ids == SCRIPT[8:11]
-    res = Engine(model, None, cfg(max_length=12), max_batch_slots=1).generate([PROMPT])[0]  # model/engine length
+    res = Engine(model, None, cfg(max_length=12), EngineConfig(max_batch_rows=1)).generate([PROMPT])[0]  # model/engine length
     assert res.token_ids == SCRIPT[8:12] and res.finish_reason == "length"
 
 
 def test_mask_token_never_emitted_by_engine():
     model = ScriptedModel(SCRIPT, conf=0.3, mask_logit=50.0)
-    res = Engine(model, None, cfg(), max_batch_slots=1).generate([PROMPT])[0]
+    res = Engine(model, None, cfg(), EngineConfig(max_batch_rows=1)).generate([PROMPT])[0]
     assert MASK not in res.token_ids and len(res.token_ids) == 16
 
 
 def test_abort_frees_the_slot():
     model = ScriptedModel(SCRIPT, conf=0.5)
-    engine = Engine(model, None, cfg(), max_batch_slots=1)
+    engine = Engine(model, None, cfg(), EngineConfig(max_batch_rows=1))
     a = engine.add_request(PROMPT)
     b = engine.add_request(PROMPT, {"max_new_tokens": 4})
     engine.step()
     engine.step()
-    assert engine.num_free_slots() == 0 and list(engine.sched.running.values())[0].id == a
+    assert engine.num_free_rows() == 0 and list(engine.scheduler.running.values())[0].id == a
     assert engine.abort(a) and not engine.abort("nope")
     outs = {o.request_id: o for o in engine.step()}
     assert outs[a].finished and outs[a].finish_reason == "abort"
-    assert engine.sched.running[0].id == b  # the freed slot went to the waiting request in the same step
+    assert engine.scheduler.running[0].id == b  # the freed slot went to the waiting request in the same step
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
                 assert (o.request_id, o.finish_reason, o.num_generated) == (b, "length", 4)
-    assert engine.num_free_slots() == 1
+    assert engine.num_free_rows() == 1
     c = engine.add_request(PROMPT)
     assert engine.abort(c)  # a waiting request can be aborted too
     assert [o.finish_reason for o in engine.step()] == ["abort"] and not engine.has_unfinished()
@@ -261,7 +269,7 @@ def test_temperature_sampling_reproducible_with_seed():
     dc = DecodeConfig(buffer_size=2, tau_add=0.25, tau_m2t=0.3, max_new_tokens=24, max_length=128,
                       temperature=1.0, seed=7)
     run = lambda engine, **kw: engine.generate([PROMPT], {"seed": kw.get("seed", 7)})[0].token_ids
-    engine = Engine(model, None, dc, max_batch_slots=3)
+    engine = Engine(model, None, dc, EngineConfig(max_batch_rows=3))
     first = run(engine)
     assert run(engine) == first
     assert run(engine, seed=8) != first
@@ -272,7 +280,7 @@ def test_temperature_sampling_reproducible_with_seed():
     while engine.has_unfinished():
         got += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
     assert got == first
-    greedy = Engine(model, None, dc.model_copy(update={"temperature": 0.0}), max_batch_slots=1)
+    greedy = Engine(model, None, dc.model_copy(update={"temperature": 0.0}), EngineConfig(max_batch_rows=1))
     assert run(greedy) == run(greedy, seed=8)
 
 
@@ -286,7 +294,7 @@ def char_tokenizer() -> Tokenizer:
 
 def test_stream_yields_committed_text_and_generate_decodes_strings():
     model = ScriptedModel(SCRIPT, conf=[0.99 if i % 3 else 0.5 for i in range(200)])
-    engine = Engine(model, char_tokenizer(), cfg(max_new_tokens=14), max_batch_slots=2)
+    engine = Engine(model, char_tokenizer(), cfg(max_new_tokens=14), EngineConfig(max_batch_rows=2))
     deltas = list(engine.stream(PROMPT))
     assert len(deltas) > 2
     res = engine.generate([PROMPT])[0]
@@ -297,7 +305,7 @@ def test_stream_yields_committed_text_and_generate_decodes_strings():
 
 def test_bad_requests_fail_clearly():
     model = ScriptedModel(SCRIPT)
-    engine = Engine(model, None, cfg(), max_batch_slots=1)
+    engine = Engine(model, None, cfg(), EngineConfig(max_batch_rows=1))
     with pytest.raises(ValueError, match="buffer_size=3 exceeds the engine's compiled buffer_size=2"):
         engine.add_request(PROMPT, {"buffer_size": 3, "tau_add": 0.1})
     with pytest.raises(ValueError, match="block_size"):

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mbd.config import DecodeConfig, load_yaml
-from mbd.decoding import Engine, SingleBD
+from mbd.config import DecodeConfig, load_decode
+from mbd.decoding import Engine, EngineConfig, SingleBD
 from mbd.decoding.policy import ACTIVE, DMaxPolicy, Kept
 from tests.unit.test_decoding_policy import EOS, MASK, PROMPT, SCRIPT, ScriptedModel, cfg, logits_for, params
 
@@ -56,20 +56,20 @@ def test_dmax_step_matches_the_written_rules(tokens, confs, fixed):
 
 def test_dmax_commits_confident_blocks_without_a_verification_forward():
     """A confident model: DMax commits each block in the step that fills it (decode + store = 2 forwards per
-    block, 2K - 1 for K blocks); the Block Buffer rules with T2T need a forward that changes nothing first."""
+    block, 2K for K blocks); the Block Buffer rules with T2T need a forward that changes nothing first (3K)."""
     c_dmax = cfg(buffer_size=1, tau_add=None, tau_t2t=0.0, strategy="dmax")
     c_bb = cfg(buffer_size=1, tau_add=None, tau_t2t=0.0)
-    res = Engine(ScriptedModel(SCRIPT), None, c_dmax, max_batch_slots=1).generate([PROMPT])[0]
+    res = Engine(ScriptedModel(SCRIPT), None, c_dmax, EngineConfig(max_batch_rows=1)).generate([PROMPT])[0]
     ref = SingleBD(ScriptedModel(SCRIPT), c_dmax, [EOS]).generate(PROMPT)
-    bb = Engine(ScriptedModel(SCRIPT), None, c_bb, max_batch_slots=1).generate([PROMPT])[0]
+    bb = Engine(ScriptedModel(SCRIPT), None, c_bb, EngineConfig(max_batch_rows=1)).generate([PROMPT])[0]
     assert res.token_ids == ref.token_ids == bb.token_ids == SCRIPT[8:24]
-    assert res.nfe == ref.nfe == 2 * 4 - 1 and bb.nfe == 3 * 4 - 1
+    assert res.nfe == ref.nfe == 2 * 4 and bb.nfe == 3 * 4
 
 
 def test_dmax_engine_equals_reference_with_low_confidences():
     confs = [0.99 if i % 5 else 0.3 for i in range(200)]
     c = cfg(buffer_size=1, tau_add=None, tau_t2t=0.0, tau_m2t=0.6, strategy="dmax", max_new_tokens=24)
-    res = Engine(ScriptedModel(SCRIPT, confs), None, c, max_batch_slots=2).generate([PROMPT, PROMPT[:6]])
+    res = Engine(ScriptedModel(SCRIPT, confs), None, c, EngineConfig(max_batch_rows=2)).generate([PROMPT, PROMPT[:6]])
     for r, prompt in zip(res, [PROMPT, PROMPT[:6]]):
         ref = SingleBD(ScriptedModel(SCRIPT, confs), c, [EOS]).generate(prompt)
         assert (r.token_ids, r.nfe) == (ref.token_ids, ref.nfe)
@@ -80,7 +80,7 @@ def test_dmax_strategy_needs_single_block_and_t2t():
         DecodeConfig(buffer_size=2, tau_add=0.1, tau_t2t=0.0, strategy="dmax")
     with pytest.raises(ValueError, match="strategy dmax"):
         DecodeConfig(strategy="dmax")
-    eng = Engine(ScriptedModel(SCRIPT), None, cfg(buffer_size=1, tau_add=None), max_batch_slots=1)
+    eng = Engine(ScriptedModel(SCRIPT), None, cfg(buffer_size=1, tau_add=None), EngineConfig(max_batch_rows=1))
     with pytest.raises(ValueError, match="strategy"):
         eng.add_request(PROMPT, {"strategy": "dmax", "tau_t2t": 0.0})
 
@@ -89,7 +89,7 @@ def test_dmax_strategy_needs_single_block_and_t2t():
 def test_dmax_and_llada21_rows_decode_with_t2t_as_the_authors(task):
     """Issue 13: the authors run DMax MultiBD / MBD in edit mode (T2T, threshold 0) and DMax SingleBD with
     DMax's own decoder; LLaDA2.1 rows revise at tau_T2T 0.5."""
-    load = lambda name: load_yaml(DECODE / f"{name}_{task}.yaml", DecodeConfig)
+    load = lambda name: load_decode(DECODE / f"{name}_{task}.yaml")[0]
     native = load("llada2-mini-dmax_singlebd")
     assert (native.strategy, native.tau_t2t, native.buffer_size) == ("dmax", 0.0, 1)
     for row in ("llada2-mini-dmax_multibd-tf", "llada2-mini-dmax_mbd"):

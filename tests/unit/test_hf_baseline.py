@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("transformers")
 
 from benchmarks.hf_baseline import PlainBlockDiffusion, random_sdar, singlebd_config, to_qwen3  # noqa: E402
-from mbd.decoding import Engine  # noqa: E402
+from mbd.decoding import Engine, EngineConfig  # noqa: E402
 
 
 @pytest.mark.parametrize("block,plen", [(4, 10), (8, 16)])
@@ -19,7 +19,7 @@ def test_plain_loop_equals_engine_singlebd(block, plen):
     prompts = torch.randint(0, cfg.vocab_size - 2, (3, plen), generator=g).tolist()
     budgets = [7, 24, 13]  # the lock-step batch runs to its longest row; each row stops at its own budget
     plain = PlainBlockDiffusion(hf, block, cfg.mask_token_id, {cfg.eos_token_id}).generate(prompts, 0.3, budgets, 256)
-    engine = Engine(model, None, singlebd_config(0.3, 24, 256), max_batch_slots=3)
+    engine = Engine(model, None, singlebd_config(0.3, 24, 256), EngineConfig(max_batch_rows=3))
     ids = [engine.add_request(p, {"max_new_tokens": n}) for p, n in zip(prompts, budgets)]
     got = {i: [] for i in ids}
     while engine.has_unfinished():

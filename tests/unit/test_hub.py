@@ -96,14 +96,14 @@ def test_environment_variables_are_respected(hub_cache):
 
 def test_cli_generates_from_a_hub_id(hub_cache, capsys):
     """`mbd generate --model ORG/NAME@REV` gives the same tokens as the local directory; a miss exits 2."""
-    from mbd.decoding import EngineSpec, build_engine
-    from pipelines.generate import load_decode_config, main
+    from mbd.config import load_decode
+    from mbd.decoding import build_engine
+    from pipelines.generate import main
 
-    args = ["--config", "configs/decode/tiny_multibd.yaml", "--json", "--device", "cpu", "3*4+2*7-5"]
+    args = ["--config", "configs/decode/tiny_multibd.yaml", "--json", "3*4+2*7-5"]
     assert main(args + ["--model", f"mbd-test/tiny-sdar@{COMMIT}"]) == 0
     got = json.loads(capsys.readouterr().out.splitlines()[0])["token_ids"]
-    engine = build_engine(EngineSpec(path=str(TINY), device="cpu"), load_decode_config(
-        REPO_ROOT / "configs/decode/tiny_multibd.yaml"))
+    engine = build_engine(str(TINY), *load_decode(REPO_ROOT / "configs/decode/tiny_multibd.yaml"))
     assert got == engine.generate(["3*4+2*7-5"])[0].token_ids
     assert main(args + ["--model", "mbd-test/absent"]) == 2
     assert "offline" in capsys.readouterr().err

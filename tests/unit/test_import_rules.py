@@ -2,9 +2,9 @@
 body counts too):
 - the core `mbd/` is plain PyTorch: it never imports Ray, FastAPI, DeepSpeed or the project's outer layers;
 - the sandboxed child's files (`mbd/eval/sandbox_child.py`, `value_codec.py`) import only the standard library;
-- a pipeline uses another pipeline only through that module's public surface, the names it lists in `__all__`
-  (its `run_*` entry point and config models); `pipelines/stages.py` and `pipelines/ray_session.py` are shared
-  libraries of the pipelines, usable by any public name.
+- a pipeline (a module an `mbd` command runs, `pipelines/cli.py`) uses another pipeline only through the names
+  it lists in `__all__` (its `run_*` entry point and config models); the other modules of `pipelines/` are
+  libraries the pipelines share (`stages.py`, `ray_session.py`, ...), usable by any public name.
 """
 
 import ast
@@ -14,7 +14,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE_FORBIDDEN = ("ray", "fastapi", "starlette", "deepspeed", "pipelines", "actors", "serve_app", "benchmarks")
-SHARED_PIPELINE_MODULES = {"pipelines.stages", "pipelines.ray_session"}
 
 
 def module_name(path: Path) -> str:
@@ -53,6 +52,14 @@ def top_level_names(path: Path) -> set[str]:
     return names
 
 
+def command_modules() -> set[str]:
+    """The modules `mbd <command>` runs, read from the literal SUBCOMMANDS table of pipelines/cli.py."""
+    for node in ast.parse((ROOT / "pipelines" / "cli.py").read_text()).body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "SUBCOMMANDS":
+            return {module for module, _ in ast.literal_eval(node.value).values()}
+    raise AssertionError("pipelines/cli.py has no SUBCOMMANDS table")
+
+
 def cross_pipeline_violations(path: Path, source: str) -> list[str]:
     me = module_name(path)
     bad = []
@@ -62,7 +69,7 @@ def cross_pipeline_violations(path: Path, source: str) -> list[str]:
         where = f"{path.relative_to(ROOT)}:{line}"
         if not names:
             bad.append(f"{where}: `import {module}` (import its public names instead)")
-        elif module in SHARED_PIPELINE_MODULES:
+        elif module not in command_modules():
             bad += [f"{where}: private {module}.{n}" for n in names if n.startswith("_")]
         else:
             public = declared_all(ROOT / Path(*module.split(".")).with_suffix(".py")) or set()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mbd.decoding import Engine, cache_manager
+from mbd.decoding import Engine, EngineConfig, cache_manager
 from mbd.model import KVCache, TPGroup, build_model, load_checkpoint, save_checkpoint
 from tests.conftest import tiny_cfg
 from tests.unit.test_decoding_engine import dcfg, tempered_model
@@ -37,10 +37,10 @@ def test_prefix_reuse_keeps_greedy_outputs_and_skips_shared_pages(mode):
     model, _ = tempered_model("sdar")
     cfg = dcfg(**MODES[mode])
     ps = prompts(8)
-    off = Engine(model, None, cfg, max_batch_slots=4, prefix_caching=False)
+    off = Engine(model, None, cfg, EngineConfig(max_batch_rows=4, prefix_caching=False))
     want = [r.token_ids for r in off.generate(ps)]
     assert off.stats.prefix_hit_tokens == 0
-    eng = Engine(model, None, cfg, max_batch_slots=4)
+    eng = Engine(model, None, cfg, EngineConfig(max_batch_rows=4))
     assert [r.token_ids for r in eng.generate(ps)] == want
     P = eng.kv.page
     # the first request prefills the shared pages while the others wait a step for them; the other 7 reuse them
@@ -56,7 +56,7 @@ def test_a_follow_up_turn_reuses_the_committed_generated_pages(mode):
     turn) skips the prefill of every full page of it."""
     model, _ = tempered_model("sdar")
     cfg = dcfg(**MODES[mode], tau_m2t=0.1)
-    eng = Engine(model, None, cfg, max_batch_slots=2)
+    eng = Engine(model, None, cfg, EngineConfig(max_batch_rows=2))
     first = eng._add(prompts(1)[0], None, None)
     while eng.has_unfinished():
         eng.step()
@@ -65,8 +65,8 @@ def test_a_follow_up_turn_reuses_the_committed_generated_pages(mode):
     hits0 = eng.stats.prefix_hit_tokens
     got = eng.generate([turn2])[0].token_ids
     P = eng.kv.page
-    assert eng.stats.prefix_hit_tokens - hits0 == first.cache_len // P * P > len(first.prompt_ids)
-    assert got == Engine(model, None, cfg, max_batch_slots=2, prefix_caching=False).generate([turn2])[0].token_ids
+    assert eng.stats.prefix_hit_tokens - hits0 == first.committed // P * P > len(first.prompt_ids)
+    assert got == Engine(model, None, cfg, EngineConfig(max_batch_rows=2, prefix_caching=False)).generate([turn2])[0].token_ids
     assert drained(eng)
 
 
@@ -76,10 +76,9 @@ def test_preemption_under_a_tiny_pool_keeps_every_output(mode, caching):
     model, mcfg = tempered_model("sdar")
     cfg = dcfg(**MODES[mode])
     ps = prompts(3) + [list(range(3, 13)), [5, 9, 2], list(range(30, 47))]
-    want = Engine(model, None, cfg, max_batch_slots=4, prefix_caching=False).generate(ps)
+    want = Engine(model, None, cfg, EngineConfig(max_batch_rows=4, prefix_caching=False)).generate(ps)
     # the longest request needs ceil((84 + 3 * 4) / 16) = 6 pages at most; the pool holds 8
-    eng = Engine(model, None, cfg, max_batch_slots=4, prefix_caching=caching,
-                 kv_cache_bytes=9 * KVCache.page_bytes(mcfg, 16, torch.float64))
+    eng = Engine(model, None, cfg, EngineConfig(max_batch_rows=4, prefix_caching=caching, kv_cache_bytes=9 * KVCache.page_bytes(mcfg, 16, torch.float64)))
     assert eng.kv.capacity == 8
     got = eng.generate(ps)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
@@ -91,7 +90,7 @@ def test_preemption_under_a_tiny_pool_keeps_every_output(mode, caching):
 
 def test_a_request_larger_than_the_pool_is_refused_with_the_reason():
     model, mcfg = tempered_model("sdar")
-    eng = Engine(model, None, dcfg(), max_batch_slots=2, kv_cache_bytes=5 * KVCache.page_bytes(mcfg, 16, torch.float64))
+    eng = Engine(model, None, dcfg(), EngineConfig(max_batch_rows=2, kv_cache_bytes=5 * KVCache.page_bytes(mcfg, 16, torch.float64)))
     with pytest.raises(ValueError, match="KV pages"):
         eng.add_request(prompts(1)[0])
     eng.add_request([3, 4, 5], {"max_new_tokens": 8})  # small enough: accepted
@@ -104,9 +103,9 @@ def test_hash_collisions_are_misses_never_wrong_pages(monkeypatch):
     model, _ = tempered_model("sdar")
     cfg = dcfg(buffer_size=3)
     ps = prompts(8)
-    eng = Engine(model, None, cfg, max_batch_slots=4)
+    eng = Engine(model, None, cfg, EngineConfig(max_batch_rows=4))
     got = [r.token_ids for r in eng.generate(ps)]
-    assert got == [r.token_ids for r in Engine(model, None, cfg, max_batch_slots=4, prefix_caching=False).generate(ps)]
+    assert got == [r.token_ids for r in Engine(model, None, cfg, EngineConfig(max_batch_rows=4, prefix_caching=False)).generate(ps)]
     assert eng.stats.prefix_hit_tokens == 7 * eng.kv.page
     assert drained(eng)
 
@@ -115,15 +114,15 @@ def test_the_same_kv_bytes_hold_four_times_the_short_requests():
     """Per-row caches gave 8 rows of max_length; the same bytes as pages hold all 32 short requests at once."""
     model, _ = tempered_model("sdar")
     cfg = dcfg(buffer_size=2, max_new_tokens=8)
-    budget = Engine(model, None, cfg, max_batch_slots=8).runner.cache.nbytes()
-    eng = Engine(model, None, cfg, max_batch_slots=32, kv_cache_bytes=budget)
+    budget = Engine(model, None, cfg, EngineConfig(max_batch_rows=8)).runner.cache.nbytes()
+    eng = Engine(model, None, cfg, EngineConfig(max_batch_rows=32, kv_cache_bytes=budget))
     assert eng.runner.cache.nbytes() <= budget
     for j in range(32):
         eng.add_request([3 + (j + k) % 50 for k in range(10)])
     peak = 0
     while eng.has_unfinished():
         eng.step()
-        peak = max(peak, sum(r.decoding for r in eng.sched.running.values()))
+        peak = max(peak, sum(r.decoding for r in eng.scheduler.running.values()))
     assert peak == 32 >= 2 * 8 and eng.stats.preemptions == 0
     assert drained(eng)
 
@@ -134,8 +133,7 @@ def _tp_worker(rank, world, port, ckpt, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model, mcfg = load_checkpoint(ckpt, tp=TPGroup(rank, world))
-        eng = Engine(model, None, dcfg(buffer_size=3), max_batch_slots=4,
-                     kv_cache_bytes=9 * KVCache.page_bytes(mcfg, 16, torch.float32, model.tp))
+        eng = Engine(model, None, dcfg(buffer_size=3), EngineConfig(max_batch_rows=4, kv_cache_bytes=9 * KVCache.page_bytes(mcfg, 16, torch.float32, model.tp)))
         for p in prompts(6):
             eng.add_request(p)
         tables = []
@@ -169,28 +167,29 @@ def test_a_memory_fraction_sizes_the_pool(monkeypatch):
     import psutil
 
     from mbd.config import DecodeConfig
-    from mbd.decoding import EngineSpec, build_engine
+    from mbd.decoding import build_engine
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=10_000_000))
-    spec = EngineSpec(path="mbd/assets/tiny", device="cpu", max_batch_slots=4, kv_cache_fraction=0.5)
-    eng = build_engine(spec, DecodeConfig(max_length=256, max_new_tokens=16))
+    spec = EngineConfig(device="cpu", max_batch_rows=4, kv_cache_fraction=0.5)
+    eng = build_engine("mbd/assets/tiny", DecodeConfig(max_length=256, max_new_tokens=16), spec)
     cache = eng.runner.cache
     page = KVCache.page_bytes(eng.model.cfg, cache.page_size, torch.float32)
     assert cache.num_pages == 5_000_000 // page and cache.nbytes() <= 5_000_000
     with pytest.raises(ValueError, match="not both"):
-        EngineSpec(path="mbd/assets/tiny", kv_cache_bytes=1 << 20, kv_cache_fraction=0.5)
+        EngineConfig(kv_cache_bytes=1 << 20, kv_cache_fraction=0.5)
 
 
 def test_reads_at_home_equal_gathered_reads():
     """A default pool gives each row home pages: while a batch maps only those, keys are a view, not a gather,
     and the logits are the gathered ones exactly; a shared prefix page takes the batch off that path."""
     model, _ = tempered_model("sdar")
-    eng = Engine(model, None, dcfg(buffer_size=3), max_batch_slots=2)
+    eng = Engine(model, None, dcfg(buffer_size=3), EngineConfig(max_batch_rows=2))
     for p in (list(range(3, 30)), list(range(30, 47))):
         eng.add_request(p)
     eng.step()
     eng.step()
     runner, kv = eng.runner, eng.kv
+    runner.sync(eng.scheduler.decode_batch().layout)  # the device state the next forward would see
     assert kv.at_home(2)
     args = (2, 3, runner.span(int(runner.cache.lengths.max()), 3), 3)
     with torch.inference_mode():
@@ -199,7 +198,7 @@ def test_reads_at_home_equal_gathered_reads():
     assert torch.equal(home, gathered)
     # hits: copied home in a default pool (rows stay at home), shared by reference in a budgeted one (not home)
     for budget, home in ((None, True), (9 * KVCache.page_bytes(model.cfg, 16, torch.float64), False)):
-        eng = Engine(model, None, dcfg(buffer_size=3), max_batch_slots=2, kv_cache_bytes=budget)
+        eng = Engine(model, None, dcfg(buffer_size=3), EngineConfig(max_batch_rows=2, kv_cache_bytes=budget))
         eng.generate(prompts(1))
         eng.add_request(prompts(2)[1])  # both hit the first prompt's cached pages
         eng.add_request(prompts(1)[0])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mbd.config import DecodeConfig, ModelConfig, read_json, resolve_path
-from mbd.decoding.spec import EngineSpec, build_engine
+from mbd.config import EngineConfig
+from mbd.decoding.spec import build_engine
 from mbd.model import build_model
 from mbd.model.tp import TPGroup
 from mbd.plan import H100_80GB, GiB, ServeShape, TrainShape, serve_plan, train_plan, weight_bytes, zero_states
@@ -37,11 +38,11 @@ def test_weights_equal_the_allocated_model(family, tp, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("budget", [None, 300_000])
 def test_kv_pool_and_weights_equal_a_real_engine(dtype, budget):
-    spec = EngineSpec(path=TINY, device="cpu", dtype=dtype, max_batch_slots=4, kv_cache_bytes=budget)
+    cfg = EngineConfig(device="cpu", dtype=dtype, max_batch_rows=4, kv_cache_bytes=budget)
     decode = DecodeConfig(buffer_size=2, tau_add=0.5, max_length=200)
-    engine = build_engine(spec, decode)
+    engine = build_engine(TINY, decode, cfg)
     mcfg, _ = model_config(TINY)
-    plan = serve_plan(mcfg, decode, serve_shape(spec, 1), H100_80GB)
+    plan = serve_plan(mcfg, decode, serve_shape(cfg, 1), H100_80GB)
     cache = engine.runner.cache
     assert plan.item("KV page pool") == cache.k.nbytes + cache.v.nbytes
     assert plan.facts["KV pages (scratch incl.)"] == f"{cache.num_pages:,}"
@@ -90,8 +91,8 @@ def big_model_dir(tmp_path):
 def test_serve_refuses_a_deployment_that_cannot_fit(tmp_path, capsys):
     from serve_app.run import main
 
-    cfg = {"model": {"path": str(big_model_dir(tmp_path)), "device": "cuda", "dtype": "bfloat16",
-                     "tensor_parallel_size": 1, "num_gpus_per_rank": 1, "kv_cache_bytes": 80 * GiB},
+    cfg = {"model": {"path": str(big_model_dir(tmp_path)), "tensor_parallel_size": 1, "num_gpus_per_rank": 1},
+           "engine": {"device": "cuda", "dtype": "bfloat16", "kv_cache_bytes": 80 * GiB},
            "decode": {"buffer_size": 2, "block_size": 4, "tau_add": 0.1}}
     (tmp_path / "serve.yaml").write_text(json.dumps(cfg))
     assert main(["--config", str(tmp_path / "serve.yaml")]) == 2
@@ -104,7 +105,7 @@ def test_a_fitting_deployment_passes_the_check():
     from serve_app.config import load_serve_config
 
     cfg = load_serve_config("configs/serve/tiny.yaml")
-    assert check_serve(cfg.model, 1, cfg.decode).fits
+    assert check_serve(cfg.model.path, cfg.engine, 1, cfg.decode).fits
 
 
 def test_train_refuses_a_run_that_cannot_fit(tmp_path, capsys):

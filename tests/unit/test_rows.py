@@ -96,3 +96,18 @@ def test_rows_without_a_recipe_cannot_be_redrawn():
     stored["recipe"] = ["{}"] * len(stored["recipe"])
     with pytest.raises(ValueError, match="re-run `mbd expand`"):
         redraw_columns(stored, 1, block_size=B, mask_token_id=MASK)
+
+
+def test_reproduce_d2f_variant_expands_the_authors_d2f_rows():
+    """`mbd reproduce --parts schedulers`: the D2F variant expands one row per sequence (mode d2f, linear ramp)."""
+    from pipelines.expand_layouts import ExpandConfig
+    from pipelines.reproduce import variant_expand
+    from pipelines.stages import DEFAULT_CONFIG, load_config
+
+    cfg = load_config(DEFAULT_CONFIG)
+    d2f, chain = variant_expand(cfg, "d2f"), variant_expand(cfg, "chain")
+    assert (d2f.mode, d2f.scheduler.name, chain.mode, chain.scheduler.name) == ("d2f", "linear", "multitf",
+                                                                                 "chain_uniform")
+    expand = ExpandConfig(inputs=["x.jsonl"], output_dir="o", model_dir="m", mode=d2f.mode, gmax=d2f.gmax,
+                          n_rand=d2f.n_rand, scheduler=d2f.scheduler)
+    assert expand.layouts().layouts_per_sequence == 1

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import torch
 
-from mbd.config import DecodeConfig
+from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding import Engine
 from mbd.decoding.constraints import ConstraintError, ConstraintSpec
 from mbd.model import KVCache, build_model
@@ -40,7 +40,7 @@ def engine(setup, kv_pages: int | None = None, **kw) -> Engine:
     dc = DecodeConfig(**{**dict(max_length=320, max_new_tokens=120, max_nfe=300), **kw})
     # kv_pages: a pool that small makes admission wait and decoding preempt
     budget = None if kv_pages is None else kv_pages * KVCache.page_bytes(model.cfg, 16, torch.float32)
-    return Engine(model, tok, dc, max_batch_slots=32, page_size=16, kv_cache_bytes=budget)
+    return Engine(model, tok, dc, EngineConfig(max_batch_rows=32, page_size=16, kv_cache_bytes=budget))
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -86,12 +86,12 @@ def test_tiny_model_regex_and_choice():
     import re
 
     from benchmarks.structured_output import TINY_REGEX
-    from mbd.decoding import EngineSpec, build_engine
+    from mbd.decoding import build_engine
     from mbd.tiny.benchmark import TinyMath
     from pipelines.generate import load_decode_config
 
     cfg = load_decode_config("configs/decode/tiny_multibd.yaml")
-    eng = build_engine(EngineSpec(path="mbd/assets/tiny", device="cpu", max_batch_slots=8), cfg)
+    eng = build_engine("mbd/assets/tiny", cfg, EngineConfig(device="cpu", max_batch_rows=8))
     problems = [p.prompt_text for p in TinyMath().load(limit=6)]
     regex = ConstraintSpec("regex", TINY_REGEX, "regex")
     choice = ConstraintSpec.choice(["yes", "no", "42"])

@@ -11,7 +11,7 @@ ONE_CPU = {"CPU": 1.0, "memory": 1e9}
 def cfg(**kw) -> SweepConfig:
     base = dict(output_dir="/tmp/x", models=[{"name": "m", "path": "mbd/assets/tiny"}],
                 decoding=[{"name": "s", "config": "configs/decode/tiny_singlebd.yaml"}],
-                benchmarks=[{"name": "tinymath", "limit": 4}], device="cpu", cpus_per_worker=1, cpus_per_scorer=0.5)
+                benchmarks=[{"name": "tinymath", "limit": 4}], engine={"device": "cpu"}, cpus_per_worker=1, cpus_per_scorer=0.5)
     return SweepConfig(**(base | kw))
 
 

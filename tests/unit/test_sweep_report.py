@@ -181,7 +181,7 @@ def sweep_cfg(tmp_path, **kw):
                 decoding=[{"name": "a", "config": "configs/decode/tiny_singlebd.yaml", "curve": "x"},
                           {"name": "b", "config": "configs/decode/tiny_multibd.yaml", "curve": "x",
                            "overrides": {"buffer_size": 2}}],
-                benchmarks=[{"name": "tinymath", "limit": 5}], batch_size=2, trace_problems=1)
+                benchmarks=[{"name": "tinymath", "limit": 5}], engine={"max_batch_rows": 2}, trace_problems=1)
     base.update(kw)
     return SweepConfig(**base)
 
@@ -216,7 +216,7 @@ def test_store_resume_and_torn_line(tmp_path):
 
 
 def test_plan_skips_stored_and_queue_prefers_held_engine(tmp_path):
-    cfg = sweep_cfg(tmp_path, batch_size=1)  # units of 4 problems
+    cfg = sweep_cfg(tmp_path, engine={"max_batch_rows": 1})  # units of 4 problems
     problems = load_problems(cfg)
     store = ResultStore(cfg.output_dir)
     store.append(rec("m", "a", "tinymath", problems["tinymath"][0].problem_id, True, 4, 2))
@@ -303,7 +303,7 @@ def test_fewshot_columns_and_stored_lookups_in_the_sweep_report(tmp_path):
 def test_fewshot_units_carry_the_same_exemplars_for_every_problem(tmp_path):
     from mbd.eval.sweep import load_splits
 
-    cfg = sweep_cfg(tmp_path, batch_size=1, benchmarks=[{"name": "tinymath", "limit": 5, "fewshot": 2}])
+    cfg = sweep_cfg(tmp_path, engine={"max_batch_rows": 1}, benchmarks=[{"name": "tinymath", "limit": 5, "fewshot": 2}])
     splits = load_splits(cfg)
     units, _ = plan_units(cfg, {k: s.scored for k, s in splits.items()}, ResultStore(cfg.output_dir),
                           {k: s.exemplars for k, s in splits.items()})

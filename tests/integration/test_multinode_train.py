@@ -1,0 +1,81 @@
+"""Ray Train + DeepSpeed across nodes: the two workers start on two different nodes; a worker node is removed
+mid-run after a checkpoint, the run goes on from the last checkpoint on the nodes left, and its step log, losses
+and exported weights are those of the uninterrupted run (the single-process reference of test_train_multitf)."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mbd.model import load_checkpoint
+from pipelines import train_multitf
+from pipelines.train_multitf import run_train
+from tests.integration.multinode_jobs import loop_marking_node, worker_nodes
+from tests.integration.train_helpers import make_model_and_corpus, reference_run, step_losses, train_config
+
+STEPS, EVERY = 6, 2
+
+
+def checkpointed_steps(run_dir: Path) -> list[int]:
+    """The steps of the checkpoints Ray Train has registered (all ranks reported them), from the record it keeps
+    in the run directory: a checkpoint directory alone may be one a rank never finished reporting."""
+    record = run_dir / "checkpoint_manager_snapshot.json"
+    if not record.is_file():
+        return []
+    try:
+        results = json.loads(record.read_text())["checkpoint_results"]
+    except ValueError:  # being written
+        return []
+    return sorted(int(r["metrics"]["step"]) for r in results)
+
+
+def test_training_on_two_nodes_survives_losing_one(multinode, tmp_path, monkeypatch):
+    model_dir, corpus = make_model_and_corpus(tmp_path)
+    cfg = train_config("nodes", tmp_path / "runs", model_dir, corpus, steps=STEPS, checkpoint_every=EVERY,
+                       max_failures=1, cpus_per_worker=1, deepspeed__grad_accum=1)
+    run_dir = tmp_path / "runs" / "nodes"
+    cluster = multinode(workers=(1, 1))  # three 1-CPU nodes: two 1-CPU workers cannot share one
+    monkeypatch.setattr(train_multitf, "train_loop", loop_marking_node)
+    outcome = {}
+    fit = threading.Thread(target=lambda: outcome.update(summary=run_train(cfg, show_progress=False)), daemon=True)
+    t0 = time.monotonic()
+    fit.start()
+    deadline = time.monotonic() + 900
+    while not checkpointed_steps(run_dir):
+        assert fit.is_alive() and time.monotonic() < deadline, f"no checkpoint written: {outcome}"
+        time.sleep(0.2)
+    first = dict(worker_nodes(str(run_dir)))  # rank -> node of the first worker group
+    head = cluster.cluster.head_node.node_id
+    victim = next(n for n in cluster.worker_nodes if n.node_id in first.values())
+    at_removal = checkpointed_steps(run_dir)
+    cluster.remove_node(victim)
+    removed_at = time.monotonic() - t0
+    fit.join(timeout=900)
+    assert not fit.is_alive(), "training did not finish after the node loss"
+    summary = outcome["summary"]
+    starts = worker_nodes(str(run_dir))
+    log = [int(m["step"]) for m in summary.history if "loss" in m]
+    print(f"\nworkers {first} (head {head[:8]}); removed {victim.node_id[:8]} at {removed_at:.1f}s with checkpoints "
+          f"{at_removal}; worker starts {[(r, n[:8]) for r, n in starts]}; step log {log}; "
+          f"done in {time.monotonic() - t0:.1f}s")
+
+    assert len(set(first.values())) == 2 and len(first) == 2  # two ranks on two different nodes
+    restarted = dict(starts[2:])
+    assert sorted(restarted) == [0, 1] and victim.node_id not in restarted.values()  # a new group, nodes left
+    back = next(i for i in range(1, len(log)) if log[i] <= log[i - 1])  # where the restart resumed
+    resumed_from = log[back] - 1
+    assert resumed_from >= EVERY and resumed_from % EVERY == 0 and resumed_from in at_removal + [resumed_from]
+    assert log == list(range(1, log[back - 1] + 1)) + list(range(resumed_from + 1, STEPS + 1))
+    losses = step_losses(summary.history)
+    for step, values in losses.items():  # a step run twice: same weights, optimizer state and rows
+        assert values == pytest.approx([values[0]] * len(values), rel=1e-6)
+
+    ref_losses, ref_model = reference_run(cfg)  # the uninterrupted run
+    np.testing.assert_allclose([losses[s][-1] for s in range(1, STEPS + 1)], ref_losses, rtol=2e-5)
+    exported, _ = load_checkpoint(summary.export_dir)
+    for (name, a), b in zip(exported.state_dict().items(), ref_model.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
