@@ -1,4 +1,5 @@
-"""The policy's grammar side for a batch: what constrained rows may commit (see `constraints` for the rule).
+"""The policy's grammar side for a batch: what constrained rows may commit (see `constraints` for the rule);
+`runner.run` calls it around the policy's update, `Engine._advance` takes the recounted counts.
 
 Around the policy's per-step decision, for the rows whose request carries a grammar matcher:
 - `before` (after the forward, before the decision): masks the logits at each row's frontier to what the
