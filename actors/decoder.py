@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.tp_worker import Lockstep, ModelSpec, Op, TPWorker, free_port, init_tp
 from actors.trace import Trace
 from mbd.config import DecodeConfig, EngineConfig
+from mbd.decoding.constraints import ConstraintSpec
 from mbd.decoding.engine import Engine, StepOutput
 from mbd.decoding.spec import build_engine
 from mbd.decoding.validate import EngineLimits
@@ -47,11 +48,15 @@ class Delta:
     nfe: int = 0
     num_generated: int = 0
     logprobs: list[float] | None = None  # of token_ids, when the request asked for them
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    provisional: list[list[int]] | None = None  # the Block Buffer's not-yet-final blocks after these tokens
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # of token_ids: the top (id, logprob) of each
 
     def merge(self, later: "Delta") -> "Delta":
         lps = None if later.logprobs is None else (self.logprobs or []) + later.logprobs
+        tops = None if later.top_logprobs is None else (self.top_logprobs or []) + later.top_logprobs
         return Delta(self.token_ids + later.token_ids, later.finished, later.finish_reason, later.nfe,
-                     later.num_generated, lps)
+                     later.num_generated, lps, later.cached_tokens, later.provisional, tops)
 
 
 @dataclass
@@ -179,7 +184,7 @@ class EngineHost:
     def _publish(self, outs: Sequence[StepOutput]) -> None:
         items = []
         for o in outs:
-            if not (o.new_token_ids or o.finished):
+            if not (o.new_token_ids or o.finished or o.provisional):
                 continue
             with self._lock:
                 s = self._streams.pop(o.request_id, None) if o.finished else self._streams.get(o.request_id)
@@ -187,7 +192,8 @@ class EngineHost:
                 continue
             s.committed += len(o.new_token_ids)
             self.trace.mark(o.request_id, "commit", s.committed)
-            d = Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated, o.new_logprobs)
+            d = Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated, o.new_logprobs,
+                      o.cached_tokens, o.provisional, o.new_top_logprobs)
             if not s.per_block:
                 d = s.held.merge(d) if s.held is not None else d
                 if not o.finished:
@@ -219,7 +225,7 @@ class EngineHost:
             if done:
                 raise EngineDead(f"tensor-parallel rank exited: {ray.get(done[0])!r}")
 
-    def validate(self, prompt_ids: list[int], params: DecodeConfig) -> None:
+    def validate(self, prompt_ids: list[int], params: DecodeConfig, constraint: ConstraintSpec | None = None) -> None:
         """Last line of defence (the ingress checks first): the engine's one request check, plus this
         deployment's bounds on max_length and max_nfe, so nothing that could crash the engine gets in."""
         if not isinstance(params, DecodeConfig):
@@ -228,7 +234,7 @@ class EngineHost:
             raise ValueError("max_length and max_nfe cannot exceed the replica's configuration")
         if self._lockstep is None:
             raise EngineDead("engine loop has not started")
-        self._lockstep.engine.check_request(prompt_ids, params)
+        self._lockstep.engine.check_request(prompt_ids, params, constraint)
 
     def limits(self) -> EngineLimits:
         """What this replica's engine can serve (the ingress checks requests against it before routing them)."""
@@ -244,7 +250,7 @@ class EngineHost:
         return {"streams": len(self._streams), "aborted": self.num_aborted} | engine_stats(lock.engine, len(lock.live))
 
     async def generate(self, prompt_ids: list[int], params: DecodeConfig, rid: str | None = None,
-                       per_block: bool = True) -> AsyncIterator[Delta]:
+                       per_block: bool = True, constraint: ConstraintSpec | None = None) -> AsyncIterator[Delta]:
         """Yield the blocks committed since the last yield, merged, until the request finishes (per_block=False:
         one Delta, the whole generation); leaving early (client gone) aborts it in the engine.
         rid: the request's id in the engine (unique among its live requests; default a fresh uuid)."""
@@ -255,7 +261,7 @@ class EngineHost:
             if rid in self._streams:
                 raise ValueError(f"request id {rid} is already live")
             self._streams[rid] = s
-        self._inbox.put(("add", rid, list(prompt_ids), params))
+        self._inbox.put(("add", rid, list(prompt_ids), params, constraint))
         finished = False
         try:
             while not finished:

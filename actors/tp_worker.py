@@ -23,7 +23,8 @@ from mbd.decoding.engine import Engine, StepOutput
 from mbd.decoding.spec import build_engine, model_dir
 from mbd.model import TPGroup
 
-# Ops broadcast from rank 0: ("add", request_id, prompt_ids, DecodeConfig) | ("abort", request_id) | ("stop",)
+# Ops broadcast from rank 0: ("add", request_id, prompt_ids, DecodeConfig, ConstraintSpec | None) |
+# ("abort", request_id) | ("stop",)
 Op = tuple
 
 
@@ -86,7 +87,7 @@ class Lockstep:
         for op in ops:
             if op[0] == "add":
                 try:
-                    self.engine.add_request(op[2], op[3], request_id=op[1])
+                    self.engine.add_request(op[2], op[3], request_id=op[1], constraint=op[4])
                     self.live.add(op[1])
                 except ValueError as e:
                     refused.append((op[1], str(e)))

@@ -167,6 +167,10 @@ class DecodeConfig(StrictModel):
     seed: int = 0
     ignore_eos: bool = Field(default=False, description="stop tokens do not end generation (benchmarks)")
     logprobs: bool = Field(default=False, description="report each output token's log-probability")
+    top_logprobs: int = Field(default=0, ge=0, le=20, description=(
+        "with logprobs: also the most likely tokens of the distribution each output token was accepted from"))
+    provisional: bool = Field(default=False, description=(
+        "also report, every step, the Block Buffer's tokens that are not final yet (masks included)"))
     strategy: Literal["block_buffer", "dmax"] = Field(
         default="block_buffer", description="decision rules: the paper's Block Buffer (M2T/T2T), or DMax's native "
         "SingleBD decoding (mbd.decoding.policy.DMaxPolicy; buffer_size 1, tau_t2t required)")

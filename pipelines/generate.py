@@ -52,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mbd generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prompts", nargs="*", help="prompt texts")
-    ap.add_argument("--model", default=None, help=f"checkpoint directory (default: the embedded {TINY_DIR})")
+    ap.add_argument("--model", default=None, help=f"checkpoint directory or Hugging Face Hub id ORG/NAME[@REVISION] "
+                    f"(default: the embedded {TINY_DIR})")
     ap.add_argument("--config", required=True, help="decode config YAML, e.g. configs/decode/tiny_multibd.yaml")
     ap.add_argument("--prompt-file", help="one prompt per line, or .jsonl with a 'prompt' field")
     ap.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat format")
@@ -67,16 +68,15 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from mbd.decoding import (
-        build_engine,  # after argument parsing: `--help` stays instant
-    )
+    from mbd.decoding import build_engine  # after argument parsing: `--help` stays instant
+    from mbd.hub import resolve_model  # huggingface_hub too
 
     try:
         cfg, engine_cfg = load_decode(args.config, args.sets)
         if args.trace:
             engine_cfg = engine_cfg.model_copy(update={"trace": True})
         prompts = read_prompts(args)
-        model_dir = Path(args.model) if args.model else TINY_DIR
+        model_dir = resolve_model(args.model) if args.model else TINY_DIR
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"--model {model_dir}: not a checkpoint directory (config.json missing)")
         if args.verbose:

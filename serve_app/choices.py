@@ -15,7 +15,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from actors.decoder import Delta
 from actors.trace import Trace
 from mbd.detokenize import TextStream
-from serve_app.protocol import MBDStats, Usage
+from serve_app.protocol import MBDStats, PromptTokensDetails, Usage
 
 Sync = Callable[..., Awaitable]  # sync(cost, fn, *args): fn(*args), off the event loop when the cost is large
 
@@ -29,6 +29,9 @@ class Piece:
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str | None = None  # set on the choice's last piece
+    provisional: list[list[int]] | None = None  # not-yet-final blocks after `committed` engine tokens
+    committed: int = 0
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # of token_ids, with top_logprobs / logprobs=k
 
 
 class Choice:
@@ -41,6 +44,7 @@ class Choice:
         self.deltas, self.cancel = deltas, cancel
         self.first = self.last = first
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
         self.sent = 0  # tokens already reported in pieces
 
     @property
@@ -54,8 +58,9 @@ class Choice:
     def _piece(self, text: str, upto: int, finish: str | None) -> Piece:
         ids = self.text.token_ids[self.sent:upto]
         lps = self.logprobs[self.sent:upto] if self.last.logprobs is not None else None
+        tops = self.top_logprobs[self.sent:upto] if self.last.top_logprobs is not None else None
         self.sent = max(self.sent, upto)
-        return Piece(self.index, text, ids, lps, finish)
+        return Piece(self.index, text, ids, lps, finish, top_logprobs=tops)
 
     async def pieces(self, sync: Sync) -> AsyncIterator[Piece]:
         """Pieces until the engine finishes or a stop string is hit (detokenization runs through `sync`: a large
@@ -68,9 +73,12 @@ class Choice:
                 self.trace.mark(self.rid, "delta", received)
                 self.last = d
                 self.logprobs += d.logprobs or []
+                self.top_logprobs += d.top_logprobs or []
                 text, upto = await sync(len(d.token_ids), self._push, d.token_ids)
-                if text:
-                    yield self._piece(text, upto, None)
+                if text or d.provisional:
+                    p = self._piece(text, upto, None)
+                    p.provisional, p.committed = d.provisional, received
+                    yield p
                 done = d.finished
                 if done or self.text.stopped:
                     break
@@ -128,11 +136,15 @@ async def merge(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:
 
 
 def usage(prompts: list[list[int]], choices: list[Choice], so_far: bool = False) -> Usage:
-    """Prompt tokens once per prompt; completion tokens: those returned (cut at a stop string), or with
-    so_far those sent in the stream up to now."""
+    """Prompt tokens once per prompt (cached ones: the most any of its choices found in the prefix cache);
+    completion tokens: those returned (cut at a stop string), or with so_far those sent in the stream up to now."""
     n_prompt = sum(len(p) for p in prompts)
     n = sum(c.sent if so_far else c.text.returned_tokens for c in choices)
-    return Usage(prompt_tokens=n_prompt, completion_tokens=n, total_tokens=n_prompt + n)
+    per = max(1, len(choices) // max(1, len(prompts)))  # choice i answers prompt i // n
+    cached = sum(max((c.last.cached_tokens for c in choices[i * per:(i + 1) * per]), default=0)
+                 for i in range(len(prompts)))
+    return Usage(prompt_tokens=n_prompt, completion_tokens=n, total_tokens=n_prompt + n,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def mbd_stats(choices: list[Choice], buffer_size: int) -> MBDStats:

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from mbd.config import DecodeConfig, ModelConfig
+from mbd.decoding.constraints import ConstraintError, ConstraintSpec, GrammarVocab
 from mbd.decoding.validate import EngineLimits, RequestError, validate_prompt, validate_request
 from mbd.tokenizer import Tokenizer, TokenizerError
 from serve_app.config import ServeConfig
@@ -29,6 +30,7 @@ class RequestConverter:
         self.limits: EngineLimits | None = None
         self.name = cfg.model.name
         self.max_len = min(cfg.decode.max_length, model_cfg.max_position_embeddings)
+        self._grammar: GrammarVocab | None = None
 
     def check_model(self, req: SamplingFields) -> None:
         if req.model != self.name:
@@ -39,15 +41,11 @@ class RequestConverter:
         self.check_model(req)
         if req.echo:
             raise APIError(400, "echo is not supported: a diffusion LM does not score its prompt", "echo")
-        if req.logprobs:
-            raise APIError(400, f"logprobs={req.logprobs} asks for top alternatives, which are not available: "
-                                "logprobs=0 returns each token's own log-probability", "logprobs")
 
     def check_chat(self, req: ChatCompletionRequest) -> None:
         self.check_model(req)
-        if req.top_logprobs:
-            raise APIError(400, f"top_logprobs={req.top_logprobs} asks for top alternatives, which are not "
-                                "available: logprobs=true returns each token's own log-probability", "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
 
     # ---- prompts (these run in the tokenizer pool, off the event loop) ----
 
@@ -106,6 +104,43 @@ class RequestConverter:
                                 f"so at most {self.max_len - 1} prompt tokens fit", field,
                            code="context_length_exceeded")
 
+    # ---- structured output (runs in the tokenizer pool: compiling a schema takes milliseconds) ----
+
+    def constraint(self, req: SamplingFields) -> ConstraintSpec | None:
+        """The request's one structured-output constraint, compiled against this model's vocabulary here so
+        that what cannot be honoured is a 400 naming the field (and the schema feature) before decoding."""
+        specs = self._constraints(req)
+        if len(specs) > 1:
+            raise APIError(400, f"{specs[0].field} and {specs[1].field} both constrain the output: send one",
+                           specs[1].field)
+        if not specs:
+            return None
+        if self._grammar is None:
+            self._grammar = GrammarVocab(self.tok.tok, self.model_cfg.vocab_size, self.tok.stop_token_ids)
+        try:
+            self._grammar.compile(specs[0])
+        except ConstraintError as e:
+            raise APIError(400, str(e), e.field) from e
+        return specs[0]
+
+    @staticmethod
+    def _constraints(req: SamplingFields) -> list[ConstraintSpec]:
+        rf, so = req.response_format, req.structured_outputs
+        shapes = [(f"structured_outputs.{k}", k, getattr(so, "json_" if k == "json" else k) if so else None)
+                  for k in ("json", "regex", "choice", "grammar")]
+        shapes += [(f"guided_{k}", k, getattr(req, f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")]
+        try:
+            out = [_spec(kind, value, field) for field, kind, value in shapes if value is not None]
+            if rf is not None and rf.type == "json_object":
+                out.append(ConstraintSpec("json_object", field="response_format"))
+            elif rf is not None and rf.type == "json_schema":
+                if rf.json_schema is None:
+                    raise ConstraintError("response_format.json_schema", "is required when type is json_schema")
+                out.append(ConstraintSpec.json_schema(rf.json_schema.schema_))
+        except ConstraintError as e:
+            raise APIError(400, str(e), e.field) from e
+        return out
+
     # ---- decoding parameters ----
 
     def check_request(self, ids: list[int], params: DecodeConfig, prompt_field: str, req: SamplingFields) -> None:
@@ -150,6 +185,12 @@ class RequestConverter:
             raise APIError(400, "'stop' strings must not be empty", "stop")
         update: dict[str, Any] = {k: getattr(req, k) for k in MBD_FIELDS if getattr(req, k) is not None}
         update |= {"max_new_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": req.wants_logprobs()}
+        update["top_logprobs"] = req.top_count()
+        if req.stream_options is not None and req.stream_options.include_provisional:
+            if not req.stream:
+                raise APIError(400, "stream_options.include_provisional needs stream=true",
+                               "stream_options.include_provisional")
+            update["provisional"] = True
         update |= {k: getattr(req, k) for k in ("temperature", "top_p", "seed") if getattr(req, k) is not None}
         if req.top_k is not None:
             update["top_k"] = max(req.top_k, 0)  # vLLM's -1 = all tokens = our 0
@@ -159,3 +200,12 @@ class RequestConverter:
             err = e.errors()[0]
             param = field_path(tuple(err["loc"]))
             raise APIError(400, f"invalid decoding parameters: {err['msg']}", param or "buffer_size") from e
+
+
+def _spec(kind: str, value: Any, field: str) -> ConstraintSpec:
+    """One vLLM-shaped constraint (json, regex, choice or grammar) from request field `field`."""
+    if kind == "json":
+        return ConstraintSpec.json_schema(value, field)
+    if kind == "choice":
+        return ConstraintSpec.choice(value, field)
+    return ConstraintSpec(kind, value, field)

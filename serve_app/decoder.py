@@ -11,6 +11,7 @@ from ray import serve
 from actors.decoder import Delta, EngineHost
 from actors.tp_worker import ModelSpec
 from mbd.config import DecodeConfig, EngineConfig
+from mbd.decoding.constraints import ConstraintSpec
 from mbd.decoding.validate import EngineLimits
 from serve_app.metrics import DecoderMetrics
 
@@ -26,10 +27,10 @@ class Decoder:
         self.host = EngineHost(spec, decode, engine, on_step=self.metrics.update)
 
     async def generate(self, prompt_ids: list[int], params: DecodeConfig, per_block: bool = True,
-                       rid: str | None = None) -> AsyncIterator[Delta]:
+                       rid: str | None = None, constraint: ConstraintSpec | None = None) -> AsyncIterator[Delta]:
         self.host.trace.mark(rid or "-", "arrive")
-        self.host.validate(prompt_ids, params)
-        async for d in self.host.generate(prompt_ids, params, rid, per_block):
+        self.host.validate(prompt_ids, params, constraint)
+        async for d in self.host.generate(prompt_ids, params, rid, per_block, constraint):
             yield d
 
     def limits(self) -> EngineLimits:

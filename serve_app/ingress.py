@@ -24,6 +24,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from actors.decoder import Delta, EngineDead
 from actors.trace import Trace
 from mbd.config import DecodeConfig, ModelConfig, read_json
+from mbd.decoding.constraints import ConstraintSpec
 from mbd.detokenize import TextStream
 from mbd.tokenizer import Tokenizer
 from serve_app import sse
@@ -32,10 +33,11 @@ from serve_app.config import ServeConfig
 from serve_app.convert import RequestConverter
 from serve_app.errors import overloaded, unavailable
 from serve_app.metrics import IngressMetrics
-from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+from serve_app.protocol import (MASK_GLYPH, APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                 ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, CompletionChoice,
                                 CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, MBDStats,
-                                ModelCard, ModelList, SamplingFields, TokenLogprob, Usage, new_id, now)
+                                ModelCard, ModelList, Provisional, ProvisionalBlock, SamplingFields, TokenLogprob,
+                                Usage, new_id, now)
 
 log = logging.getLogger("ray.serve")
 INLINE_COST = 1024  # characters or tokens (de)tokenized on the event loop; more go to the tokenizer pool
@@ -55,6 +57,11 @@ def _size(prompt: str | list) -> int:
     """Characters or token ids in a prompt field (a string, ids, or a list of either)."""
     return len(prompt) if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else \
         sum(_size(p) for p in prompt)
+
+
+def _constrained(req: SamplingFields) -> bool:
+    return any(getattr(req, f) is not None for f in ("response_format", "structured_outputs", "guided_json",
+                                                     "guided_regex", "guided_choice", "guided_grammar"))
 
 
 async def _first(gen: DeploymentResponseGenerator) -> Delta:
@@ -120,8 +127,9 @@ class OpenAIIngress:
                 return None
             tokens = [self.tok.decode([t], skip_special_tokens=False) for t in p.token_ids]
             offsets = [offset + sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+            tops = [{self._text(i): v for i, v in top} for top in p.top_logprobs or [[]] * len(tokens)]
             return CompletionLogprobs(tokens=tokens, token_logprobs=p.logprobs, text_offset=offsets,
-                                      top_logprobs=[{}] * len(tokens) if req.logprobs == 0 else None)
+                                      top_logprobs=tops if req.logprobs is not None else None)
 
         if req.stream:
             offsets = [0] * len(choices)
@@ -131,7 +139,7 @@ class OpenAIIngress:
                 offsets[p.index] += sum(len(t) for t in lp.tokens) if lp else 0
                 return CompletionResponse(id=rid, created=created, model=self.name, choices=[CompletionChoice(
                     index=p.index, text=p.text, logprobs=lp, finish_reason=p.finish_reason,
-                    token_ids=p.token_ids if req.return_token_ids else None)])
+                    token_ids=p.token_ids if req.return_token_ids else None, provisional=self._provisional(p))])
 
             def tail(u: Usage | None, stats: MBDStats) -> CompletionResponse:
                 return CompletionResponse(id=rid, created=created, model=self.name, choices=[], usage=u, mbd=stats)
@@ -141,7 +149,7 @@ class OpenAIIngress:
         out = []
         for c, text in zip(choices, texts):
             full = Piece(c.index, text, c.token_ids, c.logprobs[: len(c.token_ids)] if req.logprobs is not None
-                         else None)
+                         else None, top_logprobs=c.top_logprobs[: len(c.token_ids)] or None)
             out.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs(full, 0),
                                         finish_reason=c.finish_reason,
                                         token_ids=full.token_ids if req.return_token_ids else None))
@@ -161,15 +169,17 @@ class OpenAIIngress:
             if p.logprobs is None:
                 return None
             tokens = [self.tok.decode([t], skip_special_tokens=False) for t in p.token_ids]
-            return ChatLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-                                         for t, lp in zip(tokens, p.logprobs)])
+            tops = p.top_logprobs or [[]] * len(tokens)
+            return ChatLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()), top_logprobs=[
+                {"token": self._text(i), "logprob": v, "bytes": list(self._text(i).encode())} for i, v in top])
+                for t, lp, top in zip(tokens, p.logprobs, tops)])
 
         if req.stream:
             def chunk(p: Piece) -> ChatCompletionChunk:
                 return ChatCompletionChunk(id=rid, created=created, model=self.name, choices=[ChatChunkChoice(
                     index=p.index, delta=DeltaMessage(content=p.text) if p.text or not p.finish_reason else
                     DeltaMessage(), logprobs=logprobs(p), finish_reason=p.finish_reason,
-                    token_ids=p.token_ids if req.return_token_ids else None)])
+                    token_ids=p.token_ids if req.return_token_ids else None, provisional=self._provisional(p))])
 
             def tail(u: Usage | None, stats: MBDStats) -> ChatCompletionChunk:
                 return ChatCompletionChunk(id=rid, created=created, model=self.name, choices=[], usage=u, mbd=stats)
@@ -180,7 +190,8 @@ class OpenAIIngress:
         choices, texts = await self._collect(rid, req, prompts, choices, t0)
         out = []
         for c, text in zip(choices, texts):
-            full = Piece(c.index, text, c.token_ids, c.logprobs[: len(c.token_ids)] if req.logprobs else None)
+            full = Piece(c.index, text, c.token_ids, c.logprobs[: len(c.token_ids)] if req.logprobs else None,
+                         top_logprobs=c.top_logprobs[: len(c.token_ids)] or None)
             out.append(ChatChoice(index=c.index, message=AssistantMessage(content=text), logprobs=logprobs(full),
                                   finish_reason=c.finish_reason,
                                   token_ids=full.token_ids if req.return_token_ids else None))
@@ -194,6 +205,8 @@ class OpenAIIngress:
         rid.i) and wait for the first block of each: it decides the HTTP status (200, 400 or 503)."""
         self.convert.check_choices(req, len(prompts))
         params = self.convert.params(req, max(len(p) for p in prompts))
+        # compiling a grammar costs milliseconds, a schema many more: always off the event loop
+        constraint = await self._sync(INLINE_COST + 1, self.convert.constraint, req) if _constrained(req) else None
         fields = ["messages"] if isinstance(req, ChatCompletionRequest) else \
             ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
         for ids, field in zip(prompts, fields):
@@ -203,7 +216,7 @@ class OpenAIIngress:
         ids = [f"{rid}.{i}" for i in range(len(prompts) * req.n)]
         self.trace.mark(rid, "call")
         opened = await asyncio.gather(*(self._open(prompts[i // req.n], params.model_copy(
-            update={"seed": params.seed + i % req.n}), per_block, ids[i]) for i in range(len(ids))),
+            update={"seed": params.seed + i % req.n}), per_block, ids[i], constraint) for i in range(len(ids))),
             return_exceptions=True)
         failed = next((f for f in opened if isinstance(f, BaseException)), None)
         if failed is not None:
@@ -222,14 +235,15 @@ class OpenAIIngress:
                        self.trace)
                 for i, (g, first) in enumerate(opened)]  # type: ignore[misc]
 
-    async def _open(self, prompt: list[int], params: DecodeConfig, per_block: bool, eid: str
-                    ) -> tuple[DeploymentResponseGenerator, Delta]:
+    async def _open(self, prompt: list[int], params: DecodeConfig, per_block: bool, eid: str,
+                    constraint: ConstraintSpec | None = None) -> tuple[DeploymentResponseGenerator, Delta]:
         """One engine request and its first delta. A request whose replica died before answering (killed, lost
         with its node, or its engine loop dead) is started again, on whichever replica Serve routes it to, up to
         decoder.replica_retries times (under a fresh id: a replica that only looked dead may still hold it)."""
         attempt = 0
         while True:
-            gen = self.decoder.generate.remote(prompt, params, per_block, eid if not attempt else f"{eid}~{attempt}")
+            gen = self.decoder.generate.remote(prompt, params, per_block, eid if not attempt else f"{eid}~{attempt}",
+                                               constraint)
             try:
                 return gen, await _first(gen)
             except Exception as e:  # noqa: BLE001 - sorted by _replica_died
@@ -274,6 +288,18 @@ class OpenAIIngress:
         u = usage(prompts, choices)
         self.metrics.finished(u.prompt_tokens, u.completion_tokens, sum(c.last.nfe for c in choices),
                               (time.perf_counter() - t0) * 1e3)
+
+    def _text(self, token_id: int) -> str:
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def _provisional(self, p: Piece) -> Provisional | None:
+        """A piece's not-yet-final blocks as the client sees them (masked positions: None / MASK_GLYPH)."""
+        if p.provisional is None:
+            return None
+        mask = self.convert.model_cfg.mask_token_id
+        blocks = [ProvisionalBlock(token_ids=[None if t == mask else t for t in b], text="".join(
+            MASK_GLYPH if t == mask else self.tok.decode([t]) for t in b)) for b in p.provisional]
+        return Provisional(committed_tokens=p.committed, blocks=blocks)
 
     def _stats(self, req: SamplingFields, choices: list[Choice]) -> MBDStats:
         return mbd_stats(choices, req.buffer_size or self.cfg.decode.buffer_size)

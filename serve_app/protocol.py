@@ -45,6 +45,34 @@ class StrictRequest(BaseModel):
 class StreamOptions(StrictRequest):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
+    # ours: chunks also carry the Block Buffer's not-yet-final blocks (`provisional`), for interfaces that show
+    # diffusion; the content stays committed text only
+    include_provisional: bool = False
+
+
+class JSONSchemaFormat(StrictRequest):
+    """OpenAI's `response_format.json_schema`; the schema is enforced exactly whether `strict` is set or not."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(StrictRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(StrictRequest):
+    """vLLM's `structured_outputs` (its older top-level `guided_*` fields are accepted too): one of them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingFields(StrictRequest):
@@ -72,6 +100,13 @@ class SamplingFields(StrictRequest):
     tau_m2t: float | None = Unit
     tau_t2t: float | None = Unit
     return_token_ids: bool = False
+    # structured output (docs/structured-output.md): OpenAI's response_format, vLLM's shapes
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -85,6 +120,10 @@ class SamplingFields(StrictRequest):
     def wants_logprobs(self) -> bool:
         return False
 
+    def top_count(self) -> int:
+        """How many most-likely alternatives to report per token."""
+        return 0
+
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[int] | list[list[int]]
@@ -93,6 +132,9 @@ class CompletionRequest(SamplingFields):
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    def top_count(self) -> int:
+        return self.logprobs or 0
 
 
 class ContentPart(BaseModel):
@@ -123,14 +165,22 @@ class ChatCompletionRequest(SamplingFields):
     def wants_logprobs(self) -> bool:
         return self.logprobs
 
+    def top_count(self) -> int:
+        return self.top_logprobs or 0
+
 
 # ---- responses (plain models; built by the server, never parsed from clients) ----
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache (their prefill was skipped)
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class MBDStats(BaseModel):
@@ -161,12 +211,31 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class ProvisionalBlock(BaseModel):
+    """A Block Buffer block (or the part of one after the committed text) that is not final yet."""
+
+    token_ids: list[int | None]  # None: still masked
+    text: str  # the filled tokens decoded one by one; a masked position shows as MASK_GLYPH
+
+
+class Provisional(BaseModel):
+    """With stream_options.include_provisional: what follows the committed text right now. `committed_tokens`:
+    the tokens committed before these blocks; the blocks may still change (and masked ones will fill)."""
+
+    committed_tokens: int
+    blocks: list[ProvisionalBlock]
+
+
+MASK_GLYPH = "\u2591"
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = None  # with return_token_ids (vLLM's name)
+    provisional: Provisional | None = None  # streams with stream_options.include_provisional
 
 
 class CompletionResponse(BaseModel):
@@ -224,6 +293,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = None
+    provisional: Provisional | None = None  # with stream_options.include_provisional
 
 
 class ChatCompletionChunk(BaseModel):

@@ -25,7 +25,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="a configs/serve/*.yaml file")
     p.add_argument("--host", help="override http.host (0.0.0.0 exposes the server beyond this machine)")
     p.add_argument("--port", type=int, help="override http.port")
-    p.add_argument("--model-path", help="override model.path")
+    p.add_argument("--model", "--model-path", dest="model_path",
+                   help="override model.path: a checkpoint directory or a Hugging Face Hub id ORG/NAME[@REVISION]")
     p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else start a local one)")
     p.add_argument("--name", default="mbd", help="Serve application name")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -48,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     http.api_key = http.api_key or os.environ.get("MBD_API_KEY") or None
     model = cfg.model.model_copy(update={"path": args.model_path} if args.model_path else {})
     cfg = cfg.model_copy(update={"http": http, "model": model})
-    if not (cfg.model.resolved_path() / "config.json").is_file():
+    try:
+        model_dir = cfg.model.resolved_path()
+    except ConfigError as e:
+        print(f"mbd serve: {e}", file=sys.stderr)
+        return 2
+    if not (model_dir / "config.json").is_file():
         print(f"mbd serve: model.path {cfg.model.path} is not a model directory (no config.json)", file=sys.stderr)
         return 2
     try:  # refuse before loading (and before Ray starts) a deployment whose ranks cannot hold it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mbd.decoding.guided import RowFix
 from mbd.decoding.policy import Sampler
 from mbd.decoding.state import Request, RowLayout
 
@@ -36,6 +37,7 @@ class DecodeBatch:
     t2t: bool  # some row revises tokens (tau_t2t set)
     logprobs: bool  # some row reports log-probabilities
     trace: bool  # report forward-time slot states
+    guided: bool = False  # some row has a grammar (structured output)
 
     @property
     def max_committed(self) -> int:
@@ -54,3 +56,5 @@ class RowOutput:
     revised: list[int] | None  # [slots] tokens replaced by T2T (None: no row revises)
     states: list[int] | None  # [n_buf] forward-time slot states (with `DecodeBatch.trace`)
     conf: list[float] | None  # [slots * B] probability each changed token was taken with, -1 where unchanged
+    fix: RowFix | None = None  # a constrained row: its counts after the grammar settled it
+    top: list[tuple[int, list[tuple[int, float]]]] | None = None  # (buffer position, top (id, logprob)) per logit

@@ -38,6 +38,8 @@ from torch import nn
 from mbd.config import ConfigError, DecodeConfig, EngineConfig
 from mbd.decoding.batch import DecodeBatch, RowOutput
 from mbd.decoding.cache_manager import CacheManager
+from mbd.decoding.constraints import ConstraintSpec, GrammarVocab
+from mbd.decoding.guided import Guide, merge_counts
 from mbd.decoding.outputs import EngineStats, GenerationResult, StepOutput
 from mbd.decoding.policy import policy_for
 from mbd.decoding.runner import ModelRunner
@@ -86,24 +88,43 @@ class Engine:
         """A request's DecodeConfig: the engine's, a full DecodeConfig, or a mapping of overrides."""
         return resolve_params(params, self.cfg, self.limits)
 
-    def check_request(self, prompt_ids: Sequence[int], params: Params = None) -> tuple[list[int], RequestParams]:
+    def check_request(self, prompt_ids: Sequence[int], params: Params = None, constraint: ConstraintSpec | None = None
+                      ) -> tuple[list[int], RequestParams]:
         """The one request check (`mbd.decoding.validate.validate_request`) against this engine's limits; the
-        CLI, the eval sweeps and every served replica go through it. Raises RequestError naming the field."""
+        CLI, the eval sweeps and every served replica go through it. Raises RequestError naming the field; a
+        constraint that cannot be honoured raises ConstraintError (a ValueError naming its field)."""
+        if constraint is not None:
+            self.guide().vocab.compile(constraint)
         return validate_request(prompt_ids, params, self.cfg, self.limits)
 
-    def add_request(self, prompt_ids: list[int], params: Params = None, request_id: str | None = None) -> str:
-        return self._add(prompt_ids, params, request_id).id
+    def guide(self) -> Guide:
+        """Structured output's side of the policy (mbd.decoding.guided), over this model's vocabulary."""
+        if self.runner.guide is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer (tokenizer.json)")
+            vocab = GrammarVocab(self.tokenizer.tok, self.model.cfg.vocab_size, sorted(self._stop_set))
+            self.runner.guide = Guide(vocab, self.block, self.mask_id)
+        return self.runner.guide
 
-    def _add(self, prompt_ids: Sequence[int], params: Params, request_id: str | None) -> Request:
-        ids, p = self.check_request(prompt_ids, params)
+    def add_request(self, prompt_ids: list[int], params: Params = None, request_id: str | None = None,
+                    constraint: ConstraintSpec | None = None) -> str:
+        """Queue a request; `constraint`: structured output (what it may commit)."""
+        return self._add(prompt_ids, params, request_id, constraint).id
+
+    def _add(self, prompt_ids: Sequence[int], params: Params, request_id: str | None,
+             constraint: ConstraintSpec | None = None) -> Request:
+        ids, p = self.check_request(prompt_ids, params, constraint)
         req = Request(request_id or uuid.uuid4().hex, ids, p, self.block,
                       semi_max_masked=self.policy.semi_max_masked(p.tau_semi))
+        if constraint is not None:
+            self.guide().start(req, constraint)
         if self.engine_cfg.trace:
             req.trace = []
         if p.temperature > 0:
             req.generator = torch.Generator(device=self.device).manual_seed(p.seed)
         if p.logprobs:
             req.logprobs = {}
+            req.top_logprobs = {} if p.top_logprobs else None
         self.scheduler.add(req)
         return req
 
@@ -159,6 +180,8 @@ class Engine:
             req.step_time_s += dt
         self.stats.steps += 1
         self.stats.step_s += dt
+        if self.runner.guide is not None:
+            self.stats.grammar_s, self.runner.guide.seconds = self.stats.grammar_s + self.runner.guide.seconds, 0.0
         return outs
 
     def _advance(self, req: Request, out: RowOutput, slots: int) -> StepOutput:
@@ -166,12 +189,17 @@ class Engine:
         then the policy's plan (finish, activate the next slot)."""
         B = self.block
         filled, unchanged = self.policy.counts(out.masked_in, out.accepted, out.revised)
+        if out.fix is not None:
+            filled, unchanged = merge_counts(out.fix, filled, unchanged)
         if req.trace is not None:  # skipped DUMMY slots: all masks
             req.trace.append(step_entry(out.states, out.masked_in + [B] * (self.n_buf - slots), req.committed, B))
         req.nfe += 1
         base, n_res, pre_tc, toks = req.committed, req.n_res, req.n_tc, out.tokens
         if req.logprobs is not None and out.conf is not None:
             req.logprobs.update((base + i, math.log(c)) for i, c in enumerate(out.conf[:n_res * B]) if c > 0)
+            if req.top_logprobs is not None and out.top is not None:
+                req.top_logprobs.update((base + q, top[: req.params.top_logprobs])
+                                        for q, top in out.top if out.conf[q] > 0)
         post_tc = self.policy.final_count(req.params, pre_tc, n_res, filled, unchanged)
         new = self._emit(req, toks, base, pre_tc, post_tc)
         if base + post_tc * B > len(req.known):
@@ -185,7 +213,9 @@ class Engine:
                                 eos_seen=eos_seen, nfe=req.nfe, committed=req.committed)
         req.n_res, req.n_tc = n_res - pre_tc + plan.activate, post_tc - pre_tc
         if plan.finish is None:
-            return StepOutput(req.id, new, False, None, req.nfe, req.num_generated, self._logprobs(req, new))
+            return StepOutput(req.id, new, False, None, req.nfe, req.num_generated, self._logprobs(req, new),
+                              self._top(req, new), req.cached_tokens or 0,
+                              self._provisional(req, toks, base, post_tc, n_res))
         if plan.finish == "max_nfe":
             new = new + self._emit_partial(req, toks, base, post_tc, n_res)
         req.n_res = req.n_tc = 0
@@ -225,7 +255,26 @@ class Engine:
         req.finish_reason = reason
         req.t_finished = time.perf_counter()
         self.scheduler.finish(req)
-        return StepOutput(req.id, new, True, reason, req.nfe, req.num_generated, self._logprobs(req, new))
+        return StepOutput(req.id, new, True, reason, req.nfe, req.num_generated, self._logprobs(req, new),
+                          self._top(req, new), req.cached_tokens or 0)
+
+    @staticmethod
+    def _top(req: Request, new: list[int]) -> list[list[tuple[int, float]]] | None:
+        if req.top_logprobs is None:
+            return None
+        end = req.prompt_len + len(req.output)
+        return [req.top_logprobs.pop(pos, []) for pos in range(end - len(new), end)]
+
+    def _provisional(self, req: Request, toks: list[int], base: int, post_tc: int, n_res: int
+                     ) -> list[list[int]] | None:
+        """The tokens of the resident slots after the final ones, within the generation limit, per block."""
+        if not req.params.provisional or req.eos:
+            return None
+        B = self.block
+        lo = max(base + post_tc * B, req.prompt_len + len(req.output))
+        hi = max(lo, min(base + n_res * B, req.params.gen_end))
+        cuts = [lo, *range((lo // B + 1) * B, hi, B), hi]
+        return [toks[a - base: b - base] for a, b in zip(cuts, cuts[1:]) if b > a]
 
     @staticmethod
     def _logprobs(req: Request, new: list[int]) -> list[float] | None:
@@ -246,9 +295,11 @@ class Engine:
         return self.tokenizer.encode(prompt)
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], params: Params = None,
-                 chat: bool = True) -> list[GenerationResult]:
-        """Decode all prompts with continuous batching and return their results in order."""
-        reqs = [self._add(self.encode(p, chat), params, None) for p in prompts]
+                 chat: bool = True, constraints: Sequence[ConstraintSpec | None] | None = None) -> list[GenerationResult]:
+        """Decode all prompts with continuous batching and return their results in order (`constraints`: one
+        per prompt, structured output)."""
+        cons = constraints if constraints is not None else [None] * len(prompts)
+        reqs = [self._add(self.encode(p, chat), params, None, c) for p, c in zip(prompts, cons, strict=True)]
         pending = {r.id for r in reqs}
         while pending:
             for out in self.step():

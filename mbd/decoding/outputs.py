@@ -19,6 +19,11 @@ class StepOutput:
     nfe: int
     num_generated: int
     new_logprobs: list[float] | None = None  # with params.logprobs: the log-probability of each new token
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None  # with params.top_logprobs: per new token
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
+    # with params.provisional: the resident tokens after the final ones (masks included), per block (the first may
+    # be partial: a prompt's tail), from the end of the output so far; None when not asked for
+    provisional: list[list[int]] | None = None
 
 
 class GenerationResult(BaseModel):
@@ -38,6 +43,7 @@ class GenerationResult(BaseModel):
 class EngineStats:
     steps: int = 0
     step_s: float = 0.0  # decode steps (forward + decisions + bookkeeping, chunks of prefill riding in them)
+    grammar_s: float = 0.0  # of step_s, the grammar matchers' (masks before the decision, settling after)
     prefills: int = 0  # prompts prefilled on their own (no row was decoding)
     prefill_s: float = 0.0
     prefill_tokens: int = 0  # prompt tokens run through the model, alone or as chunks of decode steps

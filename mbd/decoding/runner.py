@@ -48,6 +48,7 @@ from torch import nn
 
 from mbd.config import ConfigError, EngineConfig
 from mbd.decoding.batch import DecodeBatch, PrefillChunk, RowOutput
+from mbd.decoding.guided import Guide, RowFix
 from mbd.decoding.policy import Policy
 from mbd.decoding.state import FREE_ROW, BatchBuffers, RowLayout, SlotState
 from mbd.model import KVCache
@@ -124,6 +125,7 @@ class ModelRunner:
         self._inputs: dict[tuple[int, int, int], tuple[torch.Tensor, object]] = {}  # eager: (positions, mask)
         self._uploaded = [FREE_ROW] * rows  # what the device's slot states and committed lengths hold
         self.shapes: Counter[tuple[int, int, int]] = Counter()  # (batch, Q, span) of every decode forward
+        self.guide: Guide | None = None  # structured output (the engine sets it with the first grammar)
 
     def run(self, batch: DecodeBatch) -> dict[int, RowOutput]:
         """One decode step of `batch`: forward, the policy's update, tokens stored back (TO_CACHE slots popped),
@@ -133,11 +135,16 @@ class ModelRunner:
         span = self.span(batch.max_committed, S)
         logits, idx = self.forward(b, S, span, A, batch.chunks, batch.home)
         buf, Q = self.buf, S * B
-        tokens, parts, conf = buf.tokens[:b, :Q], [], None
+        tokens, parts, conf, tops = buf.tokens[:b, :Q], [], None, None
         merge = buf.token_conf[:b, :Q].clone() if self.policy.token_merge else None
+        guided = bool(A) and batch.guided and self.guide is not None
+        rows = [(r.row, r) for r in batch.requests]
         if A:
             fixed = None
-            if batch.fixed:  # a prompt tail is still in a buffer
+            if guided:  # grammar frontiers: masked logits there, nothing accepted before it revised
+                fixed = self.guide.before(rows, logits, self.positions(b, S).gather(1, idx),
+                                          _window_starts(batch, b), buf.prompt_len[:b])
+            elif batch.fixed:  # a prompt tail is still in a buffer
                 fixed = self.positions(b, S).gather(1, idx) < buf.prompt_len[:b, None]
             dec = self.policy.update(logits, tokens.gather(1, idx), buf.state[:b].gather(1, idx[:, ::B] // B),
                                      buf.tau_m2t[:b], buf.semi_max_masked[:b], fixed,
@@ -146,19 +153,23 @@ class ModelRunner:
             if batch.logprobs:  # the probability each token was accepted (or last revised) with, where it changed
                 full = torch.full(tokens.shape, -1.0, device=tokens.device).scatter(1, idx, dec.conf.float())
                 conf = torch.where(updated != tokens, full, -1.0).tolist()
+                tops = top_logprobs(logits, idx, batch)
             if merge is not None:  # DMax token merge: a token M2T filled in this step enters the next forward soft
                 filled = (tokens.gather(1, idx) == buf.mask_id) & (dec.tokens != buf.mask_id)
                 merge = merge.scatter(1, idx, torch.where(filled, dec.conf.float(), 1.0))
-            tokens = updated
-            parts = [dec.masked_in, dec.accepted] + ([dec.revised] if batch.t2t else [])
+            parts = [dec.masked_in, dec.accepted] + ([dec.revised] if batch.t2t else []) + ([tokens] if guided else [])
+            tokens = updated  # (the tokens before the decision ride along for the grammar's recount)
+        old_at = Q + A * (len(parts) - 1)
         if batch.trace:
             parts.append(buf.state[:b])  # forward-time states
         summary = torch.cat([tokens, *parts], 1).tolist()  # the step's single device -> host transfer
+        fixes = self.guide.after(rows, summary, old_at, S, tokens) if guided else {}
         buf.store_tokens(tokens, [lay.n_tc for lay in batch.layout], merge)  # re-run TO_CACHE slots are committed: pop
-        return {req.row: self._unpack(summary[req.row], conf and conf[req.row], req.n_tc, batch)
-                for req in batch.requests}
+        return {req.row: self._unpack(summary[req.row], conf and conf[req.row], req.n_tc, batch, fixes.get(req.row),
+                                      tops and tops[req.row]) for req in batch.requests}
 
-    def _unpack(self, s: list[int], conf: list[float] | None, n_tc: int, batch: DecodeBatch) -> RowOutput:
+    def _unpack(self, s: list[int], conf: list[float] | None, n_tc: int, batch: DecodeBatch, fix: RowFix | None = None,
+                top: list | None = None) -> RowOutput:
         """A row of the step's summary [tokens (Q) | masked (A) | accepted (A) | revised (A)? | states (n_buf)?]
         as per-slot lists over the `slots` run: the window [lo, lo + A) from the device, TO_CACHE before it,
         all-mask DUMMY after it."""
@@ -170,7 +181,7 @@ class ModelRunner:
             return [0] * lo + s[Q + k * A: Q + (k + 1) * A] + [fill] * pad
 
         return RowOutput(s[:Q], per_slot(0, B), per_slot(1, 0), per_slot(2, 0) if batch.t2t else None,
-                         s[-self.buf.n_buf:] if batch.trace else None, conf)
+                         s[-self.buf.n_buf:] if batch.trace else None, conf, fix, top)
 
     def sync(self, layout: list[RowLayout]) -> None:
         """Make the device's slot states and committed lengths of rows [0, len(layout)) those of `layout` (one
@@ -317,3 +328,26 @@ class ModelRunner:
             pos = torch.arange(a, a + n, device=dev)[None]
             mask = self.mask(pos, torch.tensor([a + n], device=dev), a + n)
             self.model(chunk, pos, mask, cache=self.cache.view(row, row + 1, a + n), logits_at=none)
+
+
+def _window_starts(batch: DecodeBatch, b: int) -> list[int]:
+    """Each row's first logits-window slot (`ModelRunner.window`), on the host."""
+    lo = [0] * b
+    for r in batch.requests:
+        lo[r.row] = min(r.n_tc, batch.slots - batch.active)
+    return lo
+
+
+def top_logprobs(logits: torch.Tensor, idx: torch.Tensor, batch: DecodeBatch) -> list[list] | None:
+    """Per row: (buffer position, top-k (id, logprob)) of every logits-window position, for rows asking for
+    top_logprobs: of the distribution the step accepted from (the model's softmax with the mask token excluded
+    and a grammar's mask applied; a sampled row's tempered, top-k / top-p one). None when no row asks."""
+    k = max((r.params.top_logprobs for r in batch.requests if r.top_logprobs is not None), default=0)
+    if not k:
+        return None
+    lp = logits.float().log_softmax(-1)
+    for s in batch.samplers:
+        lp[s.row] = s.probs(logits[s.row]).log()
+    vals, ids = lp.topk(k, -1)
+    return [list(zip(pos, ([list(zip(i, v)) for i, v in zip(ri, rv)])))
+            for pos, ri, rv in zip(idx.tolist(), ids.tolist(), vals.tolist())]

@@ -136,6 +136,8 @@ class Scheduler:
         if hit is None:
             return False
         req.committed = hit
+        if req.cached_tokens is None:  # readmissions after a preemption re-find their own pages: not the prompt's
+            req.cached_tokens = min(hit, req.prompt_len)
         self.stats.prefix_query_tokens += req.aligned_len
         self.stats.prefix_hit_tokens += hit
         return True
@@ -210,7 +212,8 @@ class Scheduler:
             [Sampler(r.row, r.params.temperature, r.generator, r.params.top_p, r.params.top_k)
              for r in reqs if r.generator is not None],
             any(r.committed < r.prompt_len for r in reqs), any(r.params.tau_t2t is not None for r in reqs),
-            any(r.logprobs is not None for r in reqs), any(r.trace is not None for r in reqs))
+            any(r.logprobs is not None for r in reqs), any(r.trace is not None for r in reqs),
+            any(r.grammar is not None for r in reqs))
 
     def _chunks(self) -> list[tuple[Request, PrefillChunk]]:
         """Prompt chunks for this step: prefilling rows in admission order, `prefill_budget` tokens in all."""

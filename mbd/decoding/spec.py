@@ -14,8 +14,9 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from mbd.config import DecodeConfig, EngineConfig, resolve_path
+from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.engine import Engine
+from mbd.hub import resolve_model
 from mbd.model.tp import SINGLE, TPGroup
 from mbd.tokenizer import Tokenizer
 
@@ -24,8 +25,9 @@ Loaded = tuple[torch.nn.Module, Tokenizer | None]
 
 def model_dir(path: str | Path) -> Path:
     """Absolute model directory: relative paths from the working directory, then the repository root, so
-    `mbd/assets/tiny` works from any directory and inside the Docker image."""
-    return resolve_path(path).resolve()
+    `mbd/assets/tiny` works from any directory and inside the Docker image; a Hugging Face Hub id
+    ORG/NAME[@REVISION]: its cached snapshot (mbd.hub)."""
+    return resolve_model(path).resolve()
 
 
 def load_engine_model(path: str | Path, engine: EngineConfig, tp: TPGroup = SINGLE) -> Loaded:

@@ -16,9 +16,14 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mbd.config import DecodeConfig
+
+if TYPE_CHECKING:
+    from mbd.decoding.constraints import Matcher
 
 
 class SlotState(IntEnum):
@@ -48,6 +53,8 @@ class RequestParams:
     top_k: int = 0
     ignore_eos: bool = False
     logprobs: bool = False
+    provisional: bool = False
+    top_logprobs: int = 0
 
     @classmethod
     def resolve(cls, cfg: DecodeConfig, prompt_len: int, max_length: int) -> "RequestParams":
@@ -57,7 +64,7 @@ class RequestParams:
                              "or raise max_length (the engine's max_length caps every request)")
         return cls(cfg.buffer_size, min(prompt_len + cfg.max_new_tokens, limit), cfg.max_nfe, cfg.tau_add,
                    cfg.tau_semi, cfg.tau_stable, cfg.tau_m2t, cfg.tau_t2t, cfg.temperature, cfg.seed,
-                   cfg.top_p, cfg.top_k, cfg.ignore_eos, cfg.logprobs)
+                   cfg.top_p, cfg.top_k, cfg.ignore_eos, cfg.logprobs, cfg.provisional, cfg.top_logprobs)
 
 
 class RowLayout(NamedTuple):
@@ -169,6 +176,10 @@ class Request:
     trace: list[dict] | None = None
     generator: torch.Generator | None = None
     logprobs: dict[int, float] | None = None  # absolute position -> log-probability of its current token
+    top_logprobs: dict[int, list[tuple[int, float]]] | None = None  # absolute position -> top (id, logprob)
+    grammar: Matcher | None = None  # structured output: the matcher of what may be committed (kept on preemption)
+    frontier: int = 0  # with a grammar: the first absolute position its matcher has not accepted
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
 
     def __post_init__(self) -> None:
         self.known, self.aligned_len = list(self.prompt_ids), len(self.prompt_ids) // self.block * self.block

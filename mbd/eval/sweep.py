@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from mbd.config import ConfigError, DecodeConfig, EngineConfig, StrictModel, load_decode, resolve_path, validate
 from mbd.eval.benchmarks import Kind, Problem, ScoreResult, get_benchmark, list_benchmarks
 from mbd.eval.prompts import Message, chat_messages
+from mbd.hub import resolve_model
 
 if TYPE_CHECKING:  # torch is imported only where decoding happens: scoring processes stay light
     from mbd.decoding.engine import Engine
@@ -435,7 +436,7 @@ class Unit:
 def check_models(models: Iterable[ModelEntry]) -> None:
     """Fail before any actor starts when a checkpoint directory is incomplete."""
     for m in models:
-        d = resolve_path(m.path)
+        d = resolve_model(m.path)
         missing = [f for f in ("config.json", "tokenizer.json") if not (d / f).is_file()]
         if missing:
             raise ConfigError(f"model '{m.name}': {d} lacks {', '.join(missing)}; point `path` at a HuggingFace-format "

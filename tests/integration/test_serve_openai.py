@@ -175,9 +175,16 @@ def test_logprobs(client, ref):
     lp = got.choices[0].logprobs
     assert lp.token_logprobs == pytest.approx(lps, abs=1e-4) and "".join(lp.tokens) == got.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="8-3=", max_tokens=4, logprobs=2)
-    assert e.value.body["param"] == "logprobs"
+    # top alternatives (greedy: the returned token is the most likely one of its distribution)
+    got = client.completions.create(model=MODEL, prompt="8-3=", max_tokens=6, logprobs=2)
+    lp = got.choices[0].logprobs
+    assert len(lp.top_logprobs) == 6
+    for text, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and max(top, key=top.get) == text and top[text] == pytest.approx(v, abs=1e-4)
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, logprobs=True, top_logprobs=3)
+    for c in chat.choices[0].logprobs.content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-4)
 
 
 def test_stream_options_include_usage(client):
@@ -369,3 +376,89 @@ def test_replica_death_mid_stream_ends_with_error(base):
     assert all(p["choices"][0]["finish_reason"] is None for p in parsed[:-2])
     assert str(pid) not in "".join(events)
     assert httpx.get(f"{base}/health", timeout=TIMEOUT).status_code == 200
+
+
+# ---------------------------------------------------------------- structured output, cached tokens
+
+TINY_REGEX = r"([0-9]{1,3}[*+-][0-9]{1,3}=[0-9]{1,3};){4}#### [0-9]{1,3}"
+
+
+def test_structured_output_on_both_endpoints(base):
+    """The trained tiny model constrained to its answer format (regex) and to a choice, on both endpoints and in
+    the three request shapes (vLLM's structured_outputs, its older guided_*, OpenAI's response_format)."""
+    import re
+
+    tiny = openai.OpenAI(base_url=base.replace("/oai", "/tiny") + "/v1", api_key="unused", max_retries=0, timeout=120)
+    name = tiny.models.list().data[0].id
+    got = tiny.completions.create(model=name, prompt="3*4+2*7-5", max_tokens=64,
+                                  extra_body={"structured_outputs": {"regex": TINY_REGEX}})
+    assert re.fullmatch(TINY_REGEX, got.choices[0].text) and got.choices[0].finish_reason == "stop"
+    chat = tiny.chat.completions.create(model=name, messages=[{"role": "user", "content": "5*6+2*3-1"}],
+                                        max_tokens=64, extra_body={"guided_choice": ["yes", "no"]})
+    assert chat.choices[0].message.content in ("yes", "no")
+    stream = tiny.chat.completions.create(model=name, messages=[{"role": "user", "content": "5*6+2*3-1"}],
+                                          max_tokens=64, stream=True, extra_body={"guided_regex": TINY_REGEX})
+    assert re.fullmatch(TINY_REGEX, "".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    # the tiny alphabet has no '{': a JSON schema is refused as inexpressible, naming the field
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                     response_format={"type": "json_schema", "json_schema": {
+                                         "name": "x", "schema": {"type": "object"}, "strict": True}})
+    assert e.value.body["param"] == "response_format.json_schema.schema"
+    assert "vocabulary cannot express" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("endpoint,extra,param,words", [
+    ("completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format.json_schema.schema",
+     "uniqueItems"),
+    ("chat/completions", {"structured_outputs": {"regex": "(?=a)b"}}, "structured_outputs.regex", "look-around"),
+    ("chat/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "send one"),
+    ("completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
+    ("completions", {"guided_choice": []}, "guided_choice", "non-empty"),
+])
+def test_structured_output_refusals_name_the_field(base, endpoint, extra, param, words):
+    body = {"model": MODEL, "max_tokens": 4, **extra}
+    body |= {"prompt": "1+1="} if endpoint == "completions" else {"messages": [{"role": "user", "content": "x"}]}
+    r = httpx.post(f"{base}/v1/{endpoint}", json=body, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_cached_tokens_in_usage(client):
+    """A prompt sent twice: the second request's prompt is served from the prefix cache, and usage says how
+    much of it (streamed usage too), in whole KV pages of the prompt's block-aligned part."""
+    prompt = "7*8+9*6-4;" * 9  # 90 tokens: five 16-token pages
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    assert first.usage.prompt_tokens == 90
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    assert again.usage.prompt_tokens_details.cached_tokens == 80
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == 80
+
+
+def test_provisional_streaming_is_opt_in(base, client):
+    """stream_options.include_provisional: chunks also carry the not-yet-final blocks (masks shown as None /
+    a glyph) after `committed_tokens`; the content is still committed text only and concatenates to the text of
+    a plain stream; the openai SDK ignores the extra field. Without the option no chunk carries it."""
+    body = {"model": MODEL, "prompt": "4*4=", "max_tokens": 16, "stream": True}
+    plain = "".join(c.choices[0].text for c in client.completions.create(**body) if c.choices)
+    sdk = list(client.completions.create(**body, stream_options={"include_provisional": True}))
+    assert "".join(c.choices[0].text for c in sdk if c.choices) == plain
+    events = []
+    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=TIMEOUT, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "4*4="}], "max_tokens": 16, "stream": True,
+            "stream_options": {"include_provisional": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    prov = [c["choices"][0]["provisional"] for c in events if c["choices"] and c["choices"][0].get("provisional")]
+    assert prov and all(len(b["token_ids"]) <= 4 for p in prov for b in p["blocks"])
+    assert any(None in b["token_ids"] for p in prov for b in p["blocks"])
+    counts = [p["committed_tokens"] for p in prov]
+    assert counts == sorted(counts)
+    r = httpx.post(f"{base}/v1/completions", timeout=TIMEOUT, json={**body, "stream": False,
+                                                                      "stream_options": {"include_provisional": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_provisional"

@@ -93,9 +93,9 @@ def test_field_path(loc, want):
 
 
 async def _collect(host: EngineHost, ids: list[int], params: DecodeConfig, n: int | None = None,
-                   per_block: bool = True) -> list:
+                   per_block: bool = True, constraint=None) -> list:
     out = []
-    async with aclosing(host.generate(ids, params, per_block=per_block)) as gen:
+    async with aclosing(host.generate(ids, params, per_block=per_block, constraint=constraint)) as gen:
         async for d in gen:
             out.append(d)
             if n is not None and len(out) == n:
@@ -195,3 +195,77 @@ def test_ignore_eos_decodes_past_eos(tmp_path):
     forced = engine.generate([ids], {"max_new_tokens": 12, "ignore_eos": True})[0]
     assert (plain.token_ids, plain.finish_reason) == ([], "eos")
     assert forced.token_ids == [cfg.eos_token_id] * 12 and forced.finish_reason == "length" and forced.text == ""
+
+
+# ---- structured output and cached tokens, without Ray ----
+
+
+def test_request_constraints_name_their_fields(ckpt, tok):
+    """Which request field a constraint came from, and 400s that name it (and the schema feature)."""
+    from serve_app.config import ServeConfig
+    from serve_app.convert import RequestConverter
+    from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+    cfg = ServeConfig.model_validate({"model": {"path": str(ckpt), "name": "m"}, "decode": DECODE.model_dump()})
+    conv = RequestConverter(cfg, load_checkpoint(ckpt)[1], tok)
+    base = {"model": "m", "prompt": "1+1="}
+    spec = conv.constraint(CompletionRequest.model_validate(base | {"structured_outputs": {"regex": "[0-9]+"}}))
+    assert (spec.kind, spec.text, spec.field) == ("regex", "[0-9]+", "structured_outputs.regex")
+    spec = conv.constraint(ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "guided_choice": ["a", "b"]}))
+    assert (spec.kind, spec.field) == ("choice", "guided_choice")
+    assert conv.constraint(CompletionRequest.model_validate(base | {"response_format": {"type": "text"}})) is None
+    cases = [
+        ({"response_format": {"type": "json_object"}}, "response_format", "vocabulary cannot express"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+            "type": "array", "uniqueItems": True}}}}, "response_format.json_schema.schema", "uniqueItems"),
+        ({"guided_regex": "a", "structured_outputs": {"choice": ["a"]}}, "guided_regex", "send one"),
+        ({"guided_grammar": "start: /[0-9/"}, "guided_grammar", "cannot be compiled"),
+    ]
+    for extra, param, words in cases:
+        with pytest.raises(APIError) as e:
+            conv.constraint(CompletionRequest.model_validate(base | extra))
+        assert e.value.param == param and words in str(e.value.message), (extra, e.value.message)
+
+
+def test_engine_host_constrains_and_reports_cached_tokens(ckpt, tok):
+    """A constraint travels through the host's inbox to the engine; a repeated prompt reports its cached
+    tokens (whole 16-token pages of its block-aligned part)."""
+    import re
+
+    from mbd.decoding.constraints import ConstraintSpec
+
+    host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
+    try:
+        ids = tok.encode("7*8+9*6-4;" * 4)  # 40 tokens: two full pages
+        params = DECODE.model_copy(update={"max_new_tokens": 24})
+        spec = ConstraintSpec("regex", "[0-9]{2,5}=[a-z]{3}", "regex")
+        host.validate(ids, params, spec)
+        first = asyncio.run(_collect(host, ids, params, constraint=spec))
+        text = tok.decode([t for d in first for t in d.token_ids])
+        assert re.fullmatch("[0-9]{2,5}=[a-z]{3}", text) and first[-1].finish_reason == "eos"
+        assert first[-1].cached_tokens == 0
+        again = asyncio.run(_collect(host, ids, params))
+        assert again[-1].cached_tokens == 32
+        with pytest.raises(ValueError, match="uniqueItems"):
+            host.validate(ids, params, ConstraintSpec.json_schema({"type": "array", "uniqueItems": True}))
+    finally:
+        host.shutdown()
+
+
+def test_engine_host_streams_provisional_blocks(ckpt, tok):
+    """provisional=True: deltas also carry the not-yet-final blocks (masks included, at most one block each),
+    and the committed tokens are those of a request without it."""
+    host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
+    try:
+        ids = tok.encode("12+7=")
+        params = DECODE.model_copy(update={"max_new_tokens": 24})
+        plain = asyncio.run(_collect(host, ids, params))
+        prov = asyncio.run(_collect(host, ids, params.model_copy(update={"provisional": True})))
+        assert [t for d in prov for t in d.token_ids] == [t for d in plain for t in d.token_ids]
+        blocks = [b for d in prov if d.provisional for b in d.provisional]
+        mask = special_token_ids()["mask_token_id"]
+        assert blocks and all(len(b) <= 4 for b in blocks) and any(mask in b for b in blocks)
+        assert all(d.provisional is None for d in plain)
+    finally:
+        host.shutdown()
