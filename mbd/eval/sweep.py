@@ -54,9 +54,8 @@ SweepKnob = Literal["tau_m2t", "tau_add", "tau_t2t", "tau_stable", "tau_semi"]
 class DecodeEntry(StrictModel):
     """One decoding configuration: a DecodeConfig YAML (one, or one per benchmark kind) plus overrides.
 
-    `sweep` declares the threshold grid of the row's AUP curve (the paper gives each (model, method)
-    row its own AUP, which needs points that move TPF): every combination of the listed values is decoded as
-    an extra, hidden point `<name>+tau_m2t=0.9+...` of the same curve; the row shows the operating point."""
+    `sweep`: the threshold grid of the row's AUP curve (the paper gives each row its own AUP, which needs points
+    that move TPF); every combination is decoded as an extra, hidden point `<name>+tau_m2t=0.9+...` of it."""
 
     name: str = Field(pattern=NAME_PATTERN)
     config: str | dict[Kind, str] = Field(description="configs/decode/*.yaml, or {math: ..., code: ...}")
