@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
 Unit = Field(default=None, ge=0.0, le=1.0)
 
@@ -229,13 +229,26 @@ class Provisional(BaseModel):
 MASK_GLYPH = "\u2591"
 
 
-class CompletionChoice(BaseModel):
+class WithProvisional(BaseModel):
+    """A choice that may carry `provisional`: the field is left out unless set, so default responses and streams
+    keep OpenAI's shape exactly."""
+
+    provisional: Provisional | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_provisional(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("provisional", 0) is None:
+            del out["provisional"]
+        return out
+
+
+class CompletionChoice(WithProvisional):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = None  # with return_token_ids (vLLM's name)
-    provisional: Provisional | None = None  # streams with stream_options.include_provisional
 
 
 class CompletionResponse(BaseModel):
@@ -287,13 +300,12 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(WithProvisional):
     index: int = 0
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = None
-    provisional: Provisional | None = None  # with stream_options.include_provisional
 
 
 class ChatCompletionChunk(BaseModel):

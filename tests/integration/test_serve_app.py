@@ -91,7 +91,8 @@ def test_completion_matches_engine(base, ref):
     assert got["object"] == "text_completion" and got["model"] == MODEL
     assert got["choices"][0]["token_ids"] == want.token_ids and got["choices"][0]["text"] == want.text
     assert got["choices"][0]["finish_reason"] == "length"
-    assert got["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 24, "total_tokens": len(ids) + 24}
+    assert got["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 24, "total_tokens": len(ids) + 24,
+                            "prompt_tokens_details": {"cached_tokens": 0}}  # a 5-token prompt fills no KV page
     assert got["mbd"]["nfe"] == want.nfe and got["mbd"]["tpf"] == pytest.approx(want.tpf, abs=1e-4)
     # token-id prompts give the same tokens
     r = _post(base, "tp1", "completions", {"model": MODEL, "prompt": ids, "max_tokens": 24, "return_token_ids": True})
@@ -143,6 +144,10 @@ def test_stream_concatenates_to_full_text(base, endpoint, body):
     assert len([c for c in chunks if (c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content"))]) > 1
     assert chunks[-1]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    # the same prompt again: its full KV pages come from the prefix cache now
+    cached = final["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    assert cached == final["usage"]["prompt_tokens"] // 16 * 16 >= full["usage"].pop("prompt_tokens_details")[
+        "cached_tokens"]
     assert final["usage"] == full["usage"] and final["mbd"] == full["mbd"]
 
 
@@ -289,7 +294,7 @@ BAD = [
     ("completions", {"model": M, "prompt": "1+1=", "max_tokens": "5"}, 400, "max_tokens"),
     ("completions", {"model": M, "prompt": "1+1=", "temperature": -1}, 400, "temperature"),
     ("completions", {"model": M, "prompt": "1+1=", "temperature": 5.0}, 400, "temperature"),
-    ("completions", {"model": M, "prompt": "1+1=", "logprobs": 3}, 400, "logprobs"),
+    ("completions", {"model": M, "prompt": "1+1=", "logprobs": 21}, 400, "logprobs"),
     ("completions", {"model": M, "prompt": "1+1=", "buffer_size": 3}, 400, "buffer_size"),
     ("completions", {"model": M, "prompt": "1+1=", "buffer_size": 0}, 400, "buffer_size"),
     ("completions", {"model": M, "prompt": "1+1=", "tau_m2t": 1.5}, 400, "tau_m2t"),
@@ -313,8 +318,8 @@ BAD = [
      "messages[0].content[1].type"),
     ("chat/completions", {"model": M, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
      "messages[0].content[0].type"),
-    ("chat/completions", {"model": M, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2,
-                          "logprobs": True}, 400, "top_logprobs"),
+    ("chat/completions", {"model": M, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     400, "top_logprobs"),
     ("chat/completions", {"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
                           "max_completion_tokens": 6}, 400, "max_tokens"),
     ("chat/completions", {"model": M, "messages": [{"role": "user", "content": "hi"}],
