@@ -10,7 +10,8 @@ scoring slots, spread over the cluster's nodes (pipelines/sweep_pool.py: a clust
 refused at once, naming the shortfall), and sends every decoded completion to a scoring task in a slot, so
 sandboxed code execution never blocks decoding. A node lost mid-sweep costs only the work in flight, redone on
 the nodes left. Each scored problem is appended to the results store at once: rerunning an interrupted sweep
-decodes only what is missing. At the
+decodes only what is missing. An output_dir URI
+(s3://, gs://, file://, ...) is worked on in a local staging copy, uploaded every SYNC_S and at the end. At the
 end the report (tab:main_results / tab:tps_comparison tables), records.parquet and the plots are written and
 the main table is printed. Connects to the cluster in RAY_ADDRESS (as under `ray job submit`), else starts a
 local Ray. Benchmarks must be registered in every process (the built-ins and tinymath are).
@@ -22,7 +23,6 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 import ray
 from tqdm import tqdm
@@ -31,15 +31,31 @@ from mbd.config import ConfigError, apply_sets, read_yaml, resolve_path, validat
 from mbd.eval.benchmarks import Problem, ScoreResult, get_benchmark
 from mbd.eval.isolation import UNSAFE_ENV, IsolationUnavailable, require_isolation
 from mbd.eval.report import SweepSummary, write_sweep_report
-from mbd.eval.sweep import (Cell, Decoded, DecodedUnit, PrefixCacheRecord, ResultStore, SweepConfig, Unit, WorkQueue,
-                            check_models, load_problems, load_splits, make_record, plan_units, score_completion)
+from mbd.eval.result_sync import StagedOutput, staged_output
+from mbd.eval.sweep import (
+    Cell,
+    Decoded,
+    DecodedUnit,
+    PrefixCacheRecord,
+    ResultStore,
+    SweepConfig,
+    Unit,
+    WorkQueue,
+    check_models,
+    load_problems,
+    load_splits,
+    make_record,
+    plan_units,
+    score_completion,
+)
 from pipelines.ray_session import init_ray, ray_session
 from pipelines.sweep_pool import DecoderPool
 
-__all__ = ["run_sweep", "main"]  # what other pipelines may use
+__all__ = ["main", "run_sweep"]  # what other pipelines may use
 
 UNITS_IN_FLIGHT = 2  # per worker: the next unit is queued at the actor while the driver handles the last one
 POLL_S = 5.0  # the dispatch loop checks this often that its reservation is whole while it waits for results
+SYNC_S = 30.0  # an output_dir URI gets the stored records at least this often (and at the end)
 MAX_LOSSES = 3  # lost workers (nodes) a sweep survives; the next loss fails it
 # what losing a node (or a worker process) looks like to the driver; any other error fails the sweep
 LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
@@ -59,7 +75,13 @@ def _scorer_env() -> dict:
 
 
 def run_sweep(cfg: SweepConfig, progress: bool = True) -> SweepSummary:
-    """Decode and score every missing (model, config, benchmark, problem), then write the report."""
+    """Decode and score every missing (model, config, benchmark, problem), then write the report; an output_dir
+    URI is worked on in a local staging copy (mbd/eval/result_sync.py)."""
+    with staged_output(cfg.output_dir) as stage:
+        return stage.published(_run_local(cfg.model_copy(update={"output_dir": str(stage.local)}), stage, progress))
+
+
+def _run_local(cfg: SweepConfig, stage: StagedOutput, progress: bool) -> SweepSummary:
     t0 = time.perf_counter()
     splits = load_splits(cfg)
     problems = {label: s.scored for label, s in splits.items()}
@@ -80,7 +102,7 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> SweepSummary:
             bars[b] = tqdm(total=rows * len(problems[b]), initial=rows * len(problems[b]) - todo, desc=b,
                            position=pos, disable=not progress, file=sys.stderr)
         try:
-            decoded = _Dispatch(cfg, WorkQueue(units), pool, store, bars).run()
+            decoded = _Dispatch(cfg, WorkQueue(units), pool, store, bars, stage).run()
         finally:
             pool.close()
             for bar in bars.values():
@@ -97,8 +119,8 @@ class _Dispatch:
     before the loss is only scored again, not decoded again."""
 
     def __init__(self, cfg: SweepConfig, queue: WorkQueue, pool: DecoderPool, store: ResultStore,
-                 bars: dict[str, tqdm]):
-        self.cfg, self.queue, self.pool, self.store, self.bars = cfg, queue, pool, store, bars
+                 bars: dict[str, tqdm], stage: StagedOutput):
+        self.cfg, self.queue, self.pool, self.store, self.bars, self.stage = cfg, queue, pool, store, bars, stage
         self.inflight: dict[ray.ObjectRef, tuple] = {}
         self.problem_refs: dict[tuple[str, str], ray.ObjectRef] = {}
         self.decoded = self.losses = 0
@@ -131,6 +153,7 @@ class _Dispatch:
                 self.store.append(make_record(cell.model.name, cell.decode.name, cell.benchmark, problem,
                                               d.model_copy(update={"trace": None}), value))
                 self.bars[cell.benchmark].update(1)
+                self.stage.push(every_s=SYNC_S)
         return self.decoded
 
     def feed(self, w: int) -> None:
@@ -215,11 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[UNSAFE_ENV] = "1"
     try:
         cfg = load_with_flags(args)
-        if args.report_only:
-            summary = write_sweep_report(cfg, load_problems(cfg))
-        else:
-            with ray_session(Path(cfg.output_dir)):
-                summary = run_sweep(cfg, progress=not args.no_progress)
+        with staged_output(cfg.output_dir) as stage:
+            local = cfg.model_copy(update={"output_dir": str(stage.local)})
+            if args.report_only:
+                summary = write_sweep_report(local, load_problems(local))
+            else:
+                with ray_session(stage.local):
+                    summary = run_sweep(local, progress=not args.no_progress)
+            summary = stage.published(summary)
     except (ConfigError, FileNotFoundError, IsolationUnavailable) as e:
         print(f"mbd eval: {e}", file=sys.stderr)
         return 2

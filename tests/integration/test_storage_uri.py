@@ -1,7 +1,8 @@
 """Storage by URI (mbd/storage.py): the same files through a local path, a file:// URI and s3:// on a real
 S3-compatible server process (moto's `moto_server`, started here; credentials from the environment only); `mbd
 expand` writes its rows, and `mbd train` its checkpoints, metrics and export, to s3://, and `mbd export` reads a run
-from s3:// and writes the model back there."""
+from s3:// and writes the model back there; an evaluation sweep stores its results and report on s3:// and a re-run
+resumes from what the bucket holds."""
 
 import json
 import os
@@ -104,3 +105,61 @@ def test_expand_train_and_export_on_s3(s3, multinode, tmp_path):
         mb, _ = load_checkpoint(b)
         assert all(torch.equal(x, y) for x, y in zip(ma.state_dict().values(), mb.state_dict().values()))
     assert os.environ["AWS_ENDPOINT_URL"].startswith("http://127.0.0.1:")
+
+
+def test_staged_output_pushes_only_changed_files(tmp_path):
+    from mbd.eval.result_sync import staged_output
+
+    dest = f"file://{tmp_path}/remote"
+    storage.write_text(f"{dest}/results/a.jsonl", "old\n")
+    with staged_output(dest) as stage:
+        assert (stage.local / "results" / "a.jsonl").read_text() == "old\n"  # what the URI held, pulled first
+        assert stage.push() == 0
+        (stage.local / "results" / "a.jsonl").write_text("old\nnew\n")
+        (stage.local / "report.md").write_text("# r\n")
+        assert stage.push(every_s=3600) == 0  # throttled: the last push was just now
+        assert stage.push() == 2 and stage.push() == 0
+        (stage.local / "late.txt").write_text("x")
+    assert storage.read_text(f"{dest}/results/a.jsonl") == "old\nnew\n"
+    assert storage.list_names(dest) == ["late.txt", "report.md", "results"]  # the last push: when the block ends
+    assert not stage.local.exists()
+
+
+def test_eval_sweep_results_on_s3_and_resume_from_the_bucket(s3, ray_cluster, tmp_path):
+    """Decoders never touch the bucket (the driver stages the results), so the session's cluster serves here."""
+    from mbd.eval.sweep import SweepConfig
+    from mbd.model import build_model, save_checkpoint
+    from mbd.tiny.vocab import save_tokenizer, special_token_ids
+    from pipelines.eval_sweep import run_sweep
+    from tests.conftest import tiny_cfg
+
+    ids = special_token_ids()
+    mcfg = tiny_cfg("sdar", vocab_size=56, mask_token_id=ids["mask_token_id"], eos_token_id=ids["eos_token_id"],
+                    pad_token_id=ids["pad_token_id"], max_position_embeddings=512)
+    save_checkpoint(build_model(mcfg, seed=0), mcfg, tmp_path / "m")
+    save_tokenizer(tmp_path / "m")
+    out = f"{s3}/sweeps/tiny"
+    cfg = SweepConfig(
+        name="s3", output_dir=out, models=[{"name": "rand", "path": str(tmp_path / "m")}],
+        decoding=[{"name": "single", "config": "configs/decode/tiny_singlebd.yaml",
+                   "overrides": {"max_length": 512, "max_new_tokens": 8, "max_nfe": 16}}],
+        benchmarks=[{"name": "tinymath", "limit": 4}], engine={"device": "cpu", "max_batch_rows": 2},
+        trace_problems=1, workers=1, cpus_per_worker=0.5, cpus_per_scorer=0.25)
+    first = run_sweep(cfg, progress=False)
+    assert (first.decoded, first.skipped) == (4, 0)
+    assert first.report_path == f"{out}/report.md" and first.plots[0] == f"{out}/plots/accuracy_vs_tpf.png"
+    results = f"{out}/results/rand/single/tinymath.jsonl"
+    rows = [json.loads(line) for line in storage.read_text(results).splitlines()]
+    assert len(rows) == len({r["problem_id"] for r in rows}) == 4
+    assert len(storage.read_text(f"{out}/traces/rand/single/tinymath.jsonl").splitlines()) == 1
+    assert storage.read_bytes(first.plots[0])[:4] == b"\x89PNG"
+    assert json.loads(storage.read_text(f"{out}/summary.json"))["report_path"] == first.report_path
+    assert pq.read_table(first.parquet_path.removeprefix("s3://"), filesystem=storage.filesystem(s3)[0]).num_rows == 4
+
+    second = run_sweep(cfg, progress=False)  # everything is stored in the bucket: nothing decoded
+    assert (second.decoded, second.skipped) == (0, 4)
+    storage.write_text(results, "".join(json.dumps(r) + "\n" for r in rows[:3]))  # one record lost
+    again = run_sweep(cfg, progress=False)
+    assert (again.decoded, again.skipped) == (1, 3)
+    assert sorted(json.loads(line)["problem_id"] for line in storage.read_text(results).splitlines()) == \
+        sorted(r["problem_id"] for r in rows)
