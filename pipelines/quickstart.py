@@ -55,7 +55,7 @@ class ServeReply(BaseModel):
     url: str
     prompt: str
     content: str
-    usage: dict[str, int]
+    usage: dict[str, Any]  # OpenAI usage: token counts and prompt_tokens_details (cached tokens)
     mbd: dict[str, Any]
 
 
