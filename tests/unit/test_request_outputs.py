@@ -1,7 +1,6 @@
 """What a request gets back beyond its tokens, and what leaving early does: an aborted request (a client gone)
 frees its row and KV pages at the next step without disturbing the others; provisional blocks; top_logprobs."""
 
-import torch
 
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding import Engine
@@ -51,7 +50,7 @@ def test_provisional_tokens_are_reported_and_change_nothing():
     prompt = [5, 6, 7, 8, 9, 10]
     want = Engine(model, None, DC, EngineConfig(max_batch_rows=2)).generate([prompt])[0].token_ids
     eng = Engine(model, None, DC, EngineConfig(max_batch_rows=2))
-    rid = eng.add_request(prompt, {"provisional": True})
+    eng.add_request(prompt, {"provisional": True})
     final, seen = [], []
     while eng.has_unfinished():
         for o in eng.step():
