@@ -452,7 +452,7 @@ class MethodRow(BaseModel):
     n: int
     accuracy: float
     tpf: float
-    tps: float = Field(description="the sweep cell's TPS, timed whenever its worker ran it (not comparable across rows)")
+    tps: float = Field(description="the sweep cell's TPS, timed whenever its worker ran it (rows not comparable)")
     aup: float | None
     curve: list[tuple[float, float]] = Field(description="(TPF, Acc) of every curve point")
     tps_timed: TpsStat | None = Field(default=None, description="TPS measured side by side (mbd.eval.timing)")
@@ -489,7 +489,8 @@ def method_table(rows: Sequence[MethodRow], section: str, benchmark: str) -> str
     TPS is timed at different moments of the machine and cannot be compared across rows."""
     name = display(benchmark)
     timed = bool(rows) and all(r.tps_timed is not None for r in rows)
-    head = ["Model", f"{name} Acc ↑", f"{name} TPF ↑"] + (["TPS ↑ (median, min-max)"] if timed else []) + ["AUP ↑"]
+    tps_head = ["TPS ↑ (median, min-max)"] if timed else []
+    head = ["Model", f"{name} Acc ↑", f"{name} TPF ↑"] + tps_head + ["AUP ↑"]
     body = [[f"***{section}***"] + [""] * (len(head) - 1)]
     for r in rows:
         t = r.tps_timed
