@@ -56,7 +56,7 @@ class ServeReply(BaseModel):
     url: str
     prompt: str
     content: str
-    usage: dict[str, int]
+    usage: dict[str, Any]  # token counts, plus OpenAI's nested prompt_tokens_details
     mbd: dict[str, Any]
 
 
