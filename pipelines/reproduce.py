@@ -162,7 +162,8 @@ def write_report(path: Path, cfg: QuickstartConfig, rows: dict[str, MethodRow], 
         f"G_max {cfg.expand.gmax}, N_rand {cfg.expand.n_rand}; evaluation: first {cfg.eval.problems} held-out "
         f"problems, greedy; AUP over the TPF-sorted curve points {cfg.eval.curve} (+ {cfg.eval.multibd_curve} for "
         f"MultiBD methods; the paper's trapezoid formula; the first point is the operating point in the "
-        f"Acc/TPF/TPS columns). Seed {cfg.seed}. Verdicts: REPRODUCED / NOT REPRODUCED when the stated 95% "
+        f"Acc/TPF columns; no TPS column: per-cell sweep timings are not comparable across rows). Seed {cfg.seed}. "
+        f"Verdicts: REPRODUCED / NOT REPRODUCED when the stated 95% "
         f"interval lies on one side of the claim's threshold, INCONCLUSIVE when it straddles it.", "",
         "## Claims", "", claims_table(claims), "",
         "## Main comparison (tab:main_results layout)", "",

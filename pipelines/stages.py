@@ -24,7 +24,7 @@ from mbd.multitf.schedulers import SchedulerConfig
 
 __all__ = ["DEFAULT_CONFIG", "BENCHMARK", "SINGLEBD", "MULTIBD_TF", "MethodSpec", "QuickstartConfig", "ExpandSection",
            "load_config", "Stages", "write_corpus", "expand_stage", "train_config", "train_stage", "point_name",
-           "sweep_config", "as_methods", "rows_of", "curves_of", "section_title"]
+           "sweep_config", "as_methods", "rows_of", "tps_stage", "curves_of", "section_title"]
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
 BENCHMARK = "tinymath"
@@ -71,6 +71,8 @@ class EvalSection(StrictModel):
         default=[{"tau_add": 0.25}, {"buffer_size": 2}],
         description="further points of MultiBD methods only (buffer_size / tau_add do nothing under SingleBD)")
     batch_size: int = Field(default=16, ge=1)
+    tps_problems: int = Field(default=16, ge=1, description="held-out problems of the side-by-side TPS timing")
+    tps_rounds: int = Field(default=3, ge=1, description="interleaved rounds of the TPS timing (median reported)")
     trace_problems: int = Field(default=32, ge=0)
 
     def overrides(self, path: str) -> list[dict[str, Any]]:
@@ -234,6 +236,31 @@ def curves_of(cfg: QuickstartConfig, run: Path, methods: Sequence[MethodSpec]) -
     ids = [p.problem_id for p in get_benchmark(BENCHMARK).load(limit=cfg.eval.problems)]
     store = ResultStore(run / "eval")
     return {m.label: load_curve(store, m, BENCHMARK, ids) for m in as_methods(cfg, methods)}
+
+
+def tps_stage(cfg: QuickstartConfig, sweep, methods: Sequence[MethodSpec],
+              rows: Sequence[MethodRow]) -> list[MethodRow]:
+    """`rows` with TPS measured side by side in this process: each method's operating point decodes the same first
+    `eval.tps_problems` problems in `eval.tps_rounds` interleaved rounds (mbd.eval.timing)."""
+    from mbd.decoding.spec import build_engine, load_engine_model
+    from mbd.eval.prompts import chat_messages
+    from mbd.eval.sweep import load_splits
+    from mbd.eval.timing import engine_decoder, interleaved_tps
+
+    split = load_splits(sweep)[BENCHMARK]
+    paths = {m.name: m.path for m in sweep.models}
+    loaded = {name: load_engine_model(paths[name], sweep.engine) for name in {m[3] for m in methods}}
+    decoders = {}
+    for label, _, path, model in methods:
+        tok = loaded[model][1]
+        prompts = [tok.encode_chat(chat_messages(p, split.exemplars)) for p in split.scored[: cfg.eval.tps_problems]]
+        engine = build_engine(paths[model], cfg.eval.points(path)[0], sweep.engine, loaded=loaded[model])
+        decoders[label] = engine_decoder(engine, prompts, cfg.eval.points(path)[0])
+    stats = interleaved_tps(decoders, cfg.eval.tps_rounds)
+    print(f"    TPS side by side: {len(decoders)} methods x {cfg.eval.tps_rounds} interleaved rounds on the first "
+          f"{min(cfg.eval.tps_problems, len(split.scored))} held-out problems, batch {sweep.engine.max_batch_rows}; "
+          + ", ".join(f"{k} {s.median:.1f} ({s.low:.1f}-{s.high:.1f})" for k, s in stats.items()), flush=True)
+    return [r.model_copy(update={"tps_timed": stats[r.method]}) for r in rows]
 
 
 def section_title(cfg: QuickstartConfig) -> str:

@@ -38,6 +38,7 @@ from pydantic import BaseModel, Field
 from mbd.eval.benchmarks import Problem
 from mbd.eval.metrics import AupPoint, GenerationRecord, aup, aup_d3llm, mean_aup, summarize
 from mbd.eval.sweep import ItemRecord, PrefixCacheRecord, ResultStore, SweepConfig, cells, write_parquet
+from mbd.eval.timing import TpsStat
 
 DISPLAY = {"gsm8k": "GSM8K", "math500": "MATH500", "mbpp_plus": "MBPP+", "humaneval_plus": "HumanEval+",
            "humaneval": "HumanEval", "tinymath": "tinymath"}
@@ -451,9 +452,10 @@ class MethodRow(BaseModel):
     n: int
     accuracy: float
     tpf: float
-    tps: float
+    tps: float = Field(description="the sweep cell's TPS, timed whenever its worker ran it (rows not comparable)")
     aup: float | None
     curve: list[tuple[float, float]] = Field(description="(TPF, Acc) of every curve point")
+    tps_timed: TpsStat | None = Field(default=None, description="TPS measured side by side (mbd.eval.timing)")
 
 
 class Method(BaseModel):
@@ -482,8 +484,16 @@ def method_rows(cells: Sequence[CellMetrics], methods: Sequence[Method], benchma
 
 
 def method_table(rows: Sequence[MethodRow], section: str, benchmark: str) -> str:
-    """Markdown in tab:main_results' layout for one benchmark (its columns are also the average)."""
+    """Markdown in tab:main_results' layout for one benchmark (its columns are also the average). The TPS column
+    is printed only when every row's TPS was measured side by side (median, min-max over rounds): per-cell sweep
+    TPS is timed at different moments of the machine and cannot be compared across rows."""
     name = display(benchmark)
-    body = [[f"***{section}***", "", "", "", ""]]
-    body += [[r.method, _fmt(r.accuracy), _fmt(r.tpf), _fmt(r.tps, ".1f"), _fmt(r.aup)] for r in rows]
-    return markdown_table(["Model", f"{name} Acc ↑", f"{name} TPF ↑", "TPS ↑", "AUP ↑"], body)
+    timed = bool(rows) and all(r.tps_timed is not None for r in rows)
+    tps_head = ["TPS ↑ (median, min-max)"] if timed else []
+    head = ["Model", f"{name} Acc ↑", f"{name} TPF ↑"] + tps_head + ["AUP ↑"]
+    body = [[f"***{section}***"] + [""] * (len(head) - 1)]
+    for r in rows:
+        t = r.tps_timed
+        tps = [f"{t.median:.1f} ({t.low:.1f}-{t.high:.1f})"] if timed and t is not None else []
+        body.append([r.method, _fmt(r.accuracy), _fmt(r.tpf)] + tps + [_fmt(r.aup)])
+    return markdown_table(head, body)
