@@ -132,7 +132,7 @@ class BatchBuffers:
             for r, k in enumerate(n_pop):
                 if k:
                     cut = k * self.block
-                    dst[r, : q - cut].copy_(src[r, cut:])
+                    dst[r, : q - cut].copy_(src[r, cut:].clone())  # src may be a view of dst (a step with no update)
                     dst[r, q - cut:].fill_(fill)
 
     @staticmethod

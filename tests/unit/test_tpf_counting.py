@@ -16,3 +16,16 @@ def test_records_of_the_earlier_counting_are_not_loaded(tmp_path):
         f.write(json.dumps(old) + "\n")
     loaded = store.load("m", "c", "b")
     assert list(loaded) == ["p1"] and loaded["p1"].counting == TPF_COUNTING == 2
+
+
+def test_a_step_with_nothing_active_pops_its_stored_blocks_in_place():
+    """A store-only step (no ACTIVE slot in the batch: the final forward that stores a request's last block) hands
+    the buffer's own tokens back to `store_tokens`; popping must shift them as if they were a copy."""
+    import torch
+
+    from mbd.decoding.state import BatchBuffers
+
+    buf = BatchBuffers(rows=2, n_buf=4, block=2, mask_id=9, device=torch.device("cpu"))
+    buf.tokens[:] = torch.arange(16).view(2, 8)
+    buf.store_tokens(buf.tokens[:2, :8], [1, 0])  # row 0 pops one block, row 1 none
+    assert buf.tokens.tolist() == [[2, 3, 4, 5, 6, 7, 9, 9], list(range(8, 16))]
