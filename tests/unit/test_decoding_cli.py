@@ -88,14 +88,14 @@ def test_generate_sets_and_prints_the_engine_config(model_dir, capsys, monkeypat
 
 
 def test_serve_prints_the_engine_config_once(monkeypatch, capsys):
-    import ray
-
+    import pipelines.ray_session
     from serve_app.run import main as serve_main
 
     class Stop(Exception):
         pass
 
-    monkeypatch.setattr(ray, "init", lambda **kw: (_ for _ in ()).throw(Stop()))
+    # stop where the cluster would start (whether or not this process is already connected to one)
+    monkeypatch.setattr(pipelines.ray_session, "ray_cluster", lambda *a, **kw: (_ for _ in ()).throw(Stop()))
     with pytest.raises(Stop):
         serve_main(["--config", str(CONFIGS.parent / "serve" / "tiny.yaml"), "--set", "engine.attention=flex"])
     out = capsys.readouterr().out
