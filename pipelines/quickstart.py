@@ -10,7 +10,8 @@ Four stages, each with its own progress display and a wall-time line:
            (mbd/assets/tiny) on those rows -> the tiny MBD model, exported as an HF directory.
 3. eval:   a sweep on the HELD-OUT split: SingleBD (native, base), MultiBD training-free (base) and MBD
            (MultiBD on the post-trained model); Acc / TPF / TPS / AUP in tab:main_results' layout, plus the
-           accuracy-vs-TPF and fig:train_infer_noise_activity C-E plots.
+           accuracy-vs-TPF and fig:train_infer_noise_activity C-E plots. TPS is timed side by side in the
+           driver afterwards (methods interleaved, median of eval.tps_rounds rounds), not taken from the sweep.
 4. serve:  Ray Serve starts the MBD model and answers one OpenAI-style chat request on 127.0.0.1.
 
 The run directory is rebuilt on every run (only a directory this command made is reused); the stages
@@ -38,7 +39,7 @@ from mbd.eval.report import MethodRow, method_table
 from pipelines.ray_session import ray_session
 from pipelines.stages import (BENCHMARK, DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, MethodSpec, QuickstartConfig, Stages,
                               curves_of, expand_stage, load_config, rows_of, section_title, sweep_config, train_stage,
-                              write_corpus)
+                              tps_stage, write_corpus)
 
 __all__ = ["run_quickstart", "QuickstartSummary", "ServeReply", "MBD", "MBD_AS_SINGLEBD", "main"]
 
@@ -55,7 +56,7 @@ class ServeReply(BaseModel):
     url: str
     prompt: str
     content: str
-    usage: dict[str, Any]  # OpenAI usage: token counts and prompt_tokens_details (cached tokens)
+    usage: dict[str, Any]  # token counts, plus OpenAI's nested prompt_tokens_details
     mbd: dict[str, Any]
 
 
@@ -99,9 +100,9 @@ def eval_stage(cfg: QuickstartConfig, run: Path, base: Path, mbd_dir: Path, prog
     from pipelines.eval_sweep import run_sweep
 
     methods = main_methods(cfg)
-    summary = run_sweep(sweep_config(cfg, run / "eval", [("base", base), ("mbd-tiny", mbd_dir)], methods),
-                        progress=progress)
-    return summary, rows_of(cfg, summary.cells, methods)
+    sweep = sweep_config(cfg, run / "eval", [("base", base), ("mbd-tiny", mbd_dir)], methods)
+    summary = run_sweep(sweep, progress=progress)
+    return summary, tps_stage(cfg, sweep, methods, rows_of(cfg, summary.cells, methods))
 
 
 def serve_stage(cfg: QuickstartConfig, model_dir: Path, keep_serving: bool, own_cluster: bool) -> ServeReply:
