@@ -225,7 +225,8 @@ def parser() -> argparse.ArgumentParser:
 def load_with_flags(args: argparse.Namespace) -> SweepConfig:
     """The sweep YAML with `--set` items; --output-dir/--workers/--device are shorthands for sets, --limit sets
     every benchmark's limit."""
-    sets = [f"{k}={getattr(args, k)}" for k in ("output_dir", "workers", "device") if getattr(args, k) is not None]
+    sets = [f"{k}={getattr(args, k)}" for k in ("output_dir", "workers") if getattr(args, k) is not None]
+    sets += [f"engine.device={args.device}"] if args.device is not None else []
     data = apply_sets(read_yaml(resolve_path(args.sweep)), [*sets, *args.sets])
     if args.limit is not None:
         data["benchmarks"] = [{**b, "limit": args.limit} for b in data.get("benchmarks", [])]
