@@ -11,8 +11,8 @@ Other Ray clusters run on the same machine, so a cluster here:
   so that a plain `ray.init()` elsewhere never joins it;
 - ends only processes it started, by pid: the node processes Ray's `Node` objects hold, plus every descendant of
   them (worker processes, the dashboard and runtime-env agents, the raylets the autoscaler started), collected
-  before the parents go. Ray's own `AutoscalingCluster` helper runs `ray stop --force` instead, which would end
-  every Ray process of every user on the machine.
+  before the parents go. Ray's own `AutoscalingCluster` helper instead force-stops every Ray process of every
+  user on the machine.
 
 Nothing here imports pytest: benchmarks use it as well (`from tests.integration.multinode import LocalCluster`).
 """
