@@ -1,26 +1,31 @@
 """An evaluation sweep on a 3-node cluster (1 CPU per node): a reservation the nodes can never hold is refused at
-once, naming the shortfall; decoding lands on two nodes; a decoder's node is killed mid-sweep and the lost units
-are redone on the nodes left, with per-problem records equal to decoding the same units in this process, nothing
-stored twice; a re-run skips every finished problem."""
+once, naming the shortfall; decoding lands on two nodes; once both decoders have stored a unit, a decoder's node
+is killed mid-sweep and the units it held are redone on the nodes left, with per-problem records equal to decoding
+the same units in this process, nothing stored twice; a re-run skips every finished problem."""
 
 import threading
 import time
 
 import pytest
 
-from mbd.eval.sweep import ResultStore, SweepConfig
+from mbd.eval.sweep import BATCHES_PER_UNIT, ResultStore, SweepConfig
 from tests.integration.test_eval_sweep import model_dir  # noqa: F401 - the tiny random checkpoint fixture
 
 FAST_DEATH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}  # a killed node is noticed in ~3s
 SAME = ("completion", "correct", "nfe", "num_generated", "finish_reason")  # what decoding decides; timings vary
+ROWS = 2
+UNITS = 12  # of ROWS * BATCHES_PER_UNIT requests that never stop early (~0.3 s each here); a decoder keeps 2 units
+PROBLEMS = UNITS * ROWS * BATCHES_PER_UNIT  # in flight while the queue holds more, so a node killed while 4 units
+# are still out always takes work with it
 
 
 def config(ckpt_dir, out, workers: int) -> SweepConfig:
     return SweepConfig(
         name="mn", output_dir=str(out), models=[{"name": "rand", "path": str(ckpt_dir)}],
         decoding=[{"name": "single", "config": "configs/decode/tiny_singlebd.yaml",
-                   "overrides": {"max_length": 512, "max_new_tokens": 8, "max_nfe": 16}}],
-        benchmarks=[{"name": "tinymath", "limit": 64}], engine={"device": "cpu", "max_batch_rows": 2}, trace_problems=0,
+                   "overrides": {"max_length": 512, "max_new_tokens": 64, "max_nfe": 128, "ignore_eos": True}}],
+        benchmarks=[{"name": "tinymath", "limit": PROBLEMS}], engine={"device": "cpu", "max_batch_rows": ROWS},
+        trace_problems=0,
         workers=workers, cpus_per_worker=1, cpus_per_scorer=0.5, reserve_timeout_s=300)
 
 
@@ -55,18 +60,22 @@ def test_sweep_across_nodes_survives_a_lost_node(multinode, model_dir, tmp_path)
     run = threading.Thread(target=lambda: result.update(summary=run_sweep(cfg, progress=False)), daemon=True)
     run.start()
     deadline = time.monotonic() + 600
-    while not store.load_prefix_cache("rand", "single", "tinymath"):  # the first unit has come back
-        assert run.is_alive() and time.monotonic() < deadline, "the sweep never decoded a unit"
-        time.sleep(0.2)
+    while True:  # until both decoders have stored a unit: the node killed next has decoded work that must survive
+        stored = store.load_prefix_cache("rand", "single", "tinymath")
+        if len(decoded_on := {u.node for u in stored}) >= 2:
+            break
+        assert run.is_alive() and time.monotonic() < deadline, f"the sweep decoded on {len(decoded_on)} node(s) only"
+        time.sleep(0.1)
+    assert len(stored) <= UNITS - 4, f"{len(stored)} units back before both decoders had returned one"
     reserved = read_placement_log(cfg.output_dir)[0]
     worker_ids = {n.node_id: n for n in cluster.worker_nodes}
-    victim = next(n for n in reserved["decoder_nodes"] if n in worker_ids)
+    victim = next(n for n in reserved["decoder_nodes"] if n in worker_ids and n in decoded_on)
     cluster.remove_node(worker_ids[victim], graceful=False)
     run.join(600)
     assert not run.is_alive() and "summary" in result, "the sweep did not finish after losing a node"
 
     summary = result["summary"]
-    assert (summary.decoded, summary.skipped) == (64, 0)
+    assert (summary.decoded, summary.skipped) == (PROBLEMS, 0)
     events = read_placement_log(cfg.output_dir)
     lost = [e for e in events if e["event"] == "lost"]
     assert [e["event"] for e in events] == ["reserved", "lost", "reserved"] and lost[0]["units"] >= 1
@@ -75,14 +84,14 @@ def test_sweep_across_nodes_survives_a_lost_node(multinode, model_dir, tmp_path)
     after = events[2]
     assert victim not in after["decoder_nodes"] + after["scorer_nodes"]
     units = store.load_prefix_cache("rand", "single", "tinymath")
-    assert len({u.node for u in units}) >= 2  # decoding ran on two nodes
+    assert victim in {u.node for u in units}  # what the lost node decoded before it went was kept
     assert sorted(i for u in units for i in u.problem_ids) == sorted(store.load("rand", "single", "tinymath"))
 
     lines = store.path("rand", "single", "tinymath").read_text().splitlines()
     stored = store.load("rand", "single", "tinymath")
-    assert len(lines) == len(stored) == 64  # every problem once: nothing lost, nothing stored twice
+    assert len(lines) == len(stored) == PROBLEMS  # every problem once: nothing lost, nothing stored twice
     ref = reference(cfg)
     assert {i: {k: getattr(r, k) for k in SAME} for i, r in stored.items()} == ref
 
     again = run_sweep(cfg, progress=False)  # a re-run finds every problem stored
-    assert (again.decoded, again.skipped) == (0, 64)
+    assert (again.decoded, again.skipped) == (0, PROBLEMS)
