@@ -1,37 +1,35 @@
-"""Engine host: rank 0 of a decoder replica, bridging asyncio request handlers and the lockstep engine loop.
+"""Engine host: rank 0 of a decoder replica, bridging asyncio request handlers and the engine process.
 
-The engine loop runs in a background thread (torch releases the GIL in its kernels) so the replica's event
-loop keeps accepting and streaming requests while it decodes. Handlers hand requests to the loop through a
-thread-safe inbox; the loop sends each request's committed blocks back through that request's asyncio.Queue.
-With tensor_parallel_size > 1 the host starts ranks 1.. as `TPWorker` actors in the other bundles of the
-replica's placement group and leads them through `Lockstep` (see actors/tp_worker.py).
+The engine loop runs in a process of its own (actors/engine_process.py), so the replica's request handling never
+competes with it for the interpreter lock; the replica talks to it through one connection. Handlers send each
+request there; a reader thread receives each step's outputs and hands a request's committed blocks to its
+handler's asyncio.Queue, one thread-safe call per event loop per step. With tensor_parallel_size > 1 the host
+starts ranks 1.. as `TPWorker` actors in the other bundles of the replica's placement group; the engine process
+leads them through `Lockstep` (see actors/tp_worker.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import queue
+import subprocess
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
 import ray
-import torch
-import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.tp_worker import Lockstep, ModelSpec, Op, TPWorker, free_port, init_tp
+from actors import engine_process
+from actors.tp_worker import ModelSpec, Op, TPWorker, free_port
 from actors.trace import Trace
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.constraints import ConstraintSpec
-from mbd.decoding.engine import Engine, StepOutput
-from mbd.decoding.spec import build_engine
-from mbd.decoding.validate import EngineLimits
+from mbd.decoding.outputs import StepOutput
+from mbd.decoding.validate import EngineLimits, validate_request
 
-ON_STEP_S = 0.5  # metrics are refreshed at most this often (a step can take a millisecond)
-IDLE_TICK_S = 1.0  # an idle rank 0 still broadcasts this often, so follower ranks never hit a collective timeout
+STATS_TIMEOUT_S = 10.0  # how long `stats()` waits for the engine process (at most a step)
 
 
 class EngineDead(RuntimeError):
@@ -61,19 +59,18 @@ class Delta:
 
 @dataclass
 class _Stream:
-    """One request's way back to its handler. With per_block=False the engine thread merges its blocks and
+    """One request's way back to its handler. With per_block=False the reader thread merges its blocks and
     hands over only the finished whole, so a non-streaming request costs its event loop one wake-up."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     per_block: bool = True
     held: Delta | None = None  # merged blocks not yet handed over (per_block=False)
-    committed: int = 0  # tokens committed so far
 
 
 def _hand_over(items: list[tuple[_Stream, "Delta | BaseException"]]) -> None:
     """Deliver a step's items to their handlers with one thread-safe call per event loop (each call wakes the
-    loop and takes the GIL from the engine thread); a closed loop (replica shutting down) drops them."""
+    loop); a closed loop (replica shutting down) drops them."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for s, item in items:
         by_loop.setdefault(s.loop, []).append((s.queue, item))
@@ -89,40 +86,35 @@ def _put_all(batch: list[tuple[asyncio.Queue, "Delta | BaseException"]]) -> None
         q.put_nowait(item)
 
 
-def engine_stats(engine: Engine, in_engine: int) -> dict[str, float]:
-    """Requests in the engine, free batch slots, decode steps and their wall time, the KV page pool (pages some
-    request holds, pages free or cached), prefix-cache hit rate (prompt tokens served from cached pages) and
-    preemptions so far."""
-    s, kv = engine.stats, engine.kv
-    return {"in_engine": in_engine, "free_slots": engine.num_free_rows(), "steps": s.steps, "step_s": s.step_s,
-            "kv_pages_used": kv.used(), "kv_pages_free": kv.available(), "prefix_hit_rate": s.prefix_hit_rate,
-            "prefix_hit_tokens": s.prefix_hit_tokens, "preemptions": s.preemptions}
-
-
 class EngineHost:
     def __init__(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig,
                  on_step: Callable[[dict[str, float]], None] | None = None, startup_timeout_s: float = 600.0):
-        """on_step: called from the engine loop with `engine_stats(...)` after steps, at most every ON_STEP_S."""
+        """on_step: called from the reader thread with the engine's stats (`engine_process.engine_stats`) after
+        steps, at most every `engine_process.ON_STEP_S`."""
         self.spec = spec
         self.decode = decode
         self.engine = engine
         self._on_step = on_step
-        self._inbox: queue.SimpleQueue[Op] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the streams, and sends on the connection (event loop and caller threads)
         self._error: BaseException | None = None
-        self._ready = threading.Event()
-        self._lockstep: Lockstep | None = None
+        self._asks: queue.SimpleQueue[dict[str, float]] = queue.SimpleQueue()
+        self._grammar: GrammarVocab | None = None
         self.num_aborted = 0
         self.trace = Trace("decoder")
         world = spec.tensor_parallel_size
         addr, port = (ray.util.get_node_ip_address(), free_port("")) if world > 1 else ("", 0)
         self._workers = [self._start_worker(r, addr, port) for r in range(1, world)]
-        self._thread = threading.Thread(target=self._main, args=(addr, port), name="mbd-engine", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(startup_timeout_s):
+        self._proc, self._conn = engine_process.start(spec, decode, engine, addr, port)
+        if not self._conn.poll(startup_timeout_s):
+            self._proc.kill()
             raise EngineDead(f"engine did not start within {startup_timeout_s:.0f}s")
-        self.check()
+        first = self._recv()
+        if first[0] != "ready":
+            raise EngineDead(f"engine failed to start: {first[1] if first[0] == 'error' else first!r}")
+        self._limits: EngineLimits = first[1]
+        self._reader = threading.Thread(target=self._read, name="mbd-engine-reader", daemon=True)
+        self._reader.start()
 
     def _start_worker(self, rank: int, addr: str, port: int) -> tuple[object, ray.ObjectRef]:
         pg = ray.util.get_current_placement_group()
@@ -134,52 +126,29 @@ class EngineHost:
         ).remote()
         return actor, actor.run.remote(self.spec, self.decode, self.engine, rank, addr, port)
 
-    # ---- engine thread ----
+    # ---- reader thread: the engine process's messages ----
 
-    def _main(self, addr: str, port: int) -> None:
+    def _recv(self) -> tuple:
         try:
-            tp, ctrl = init_tp(self.spec, self.engine, 0, addr, port)
-            with torch.inference_mode():
-                engine = build_engine(self.spec.resolved_path(), self.decode, self.engine, tp)
-                lock = self._lockstep = Lockstep(engine, tp.world, ctrl)
-                self._ready.set()
-                reported = 0.0
-                while True:
-                    idle = not lock.engine.has_unfinished()
-                    t = time.perf_counter()
-                    ops = lock.exchange(self._drain(block=idle))
-                    if idle:
-                        self.trace.mark("-", "idle", time.perf_counter() - t)
-                    refused = dict(lock.apply(ops))
-                    for rid, reason in refused.items():
-                        self._fail(rid, ValueError(f"request refused by the engine: {reason}"))
-                    for op in ops:
-                        if op[0] == "add" and op[1] not in refused:
-                            self.trace.mark(op[1], "admit")
-                    if lock.stopped:
-                        break
-                    t = time.perf_counter()
-                    outs = lock.step()
-                    self.trace.mark("-", "step", time.perf_counter() - t)
-                    self._publish(outs)
-                    if self._on_step is not None and time.monotonic() - reported >= ON_STEP_S:
-                        reported = time.monotonic()
-                        self._on_step(engine_stats(lock.engine, len(lock.live)))
-        except BaseException as e:  # noqa: BLE001 - any failure must reach the waiting requests and check_health
-            self._fail_all(e)
-        finally:
-            self._ready.set()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            return self._conn.recv()
+        except (EOFError, OSError) as e:
+            return ("error", f"engine process exited ({e!r}, exit code {self._proc.poll()})")
 
-    def _drain(self, block: bool) -> list[Op]:
-        ops = []
-        try:
-            ops.append(self._inbox.get(timeout=IDLE_TICK_S) if block else self._inbox.get_nowait())
-            while True:
-                ops.append(self._inbox.get_nowait())
-        except queue.Empty:
-            return ops
+    def _read(self) -> None:
+        while True:
+            msg = self._recv()
+            if msg[0] == "step":
+                _, outs, refused, stats = msg
+                for rid, reason in refused:
+                    self._fail(rid, ValueError(f"request refused by the engine: {reason}"))
+                self._publish(outs)
+                if stats is not None and self._on_step is not None:
+                    self._on_step(stats)
+            elif msg[0] == "stats":
+                self._asks.put(msg[1])
+            else:  # ("error", message): the engine process has ended
+                self._fail_all(EngineDead(f"engine loop failed: {msg[1]}"))
+                return
 
     def _publish(self, outs: Sequence[StepOutput]) -> None:
         items = []
@@ -190,8 +159,6 @@ class EngineHost:
                 s = self._streams.pop(o.request_id, None) if o.finished else self._streams.get(o.request_id)
             if s is None:
                 continue
-            s.committed += len(o.new_token_ids)
-            self.trace.mark(o.request_id, "commit", s.committed)
             d = Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated, o.new_logprobs,
                       o.cached_tokens, o.provisional, o.new_top_logprobs)
             if not s.per_block:
@@ -212,42 +179,54 @@ class EngineHost:
         with self._lock:
             self._error = e
             streams, self._streams = list(self._streams.values()), {}
-        _hand_over([(s, EngineDead(f"engine loop failed: {e!r}")) for s in streams])
+        self._asks.put({})
+        _hand_over([(s, e) for s in streams])
+
+    def _send(self, op: Op) -> None:
+        """One op to the engine process (under the lock: the event loop and other threads send)."""
+        with self._lock:
+            if self._error is not None:
+                raise EngineDead(f"engine loop is not running: {self._error}")
+            try:
+                self._conn.send(op)
+            except OSError as e:
+                raise EngineDead(f"engine process unreachable: {e!r}") from e
 
     # ---- event-loop side ----
 
     def check(self) -> None:
-        """Raise if this replica can no longer serve (engine thread or a TP rank died)."""
-        if self._error is not None or not self._thread.is_alive():
-            raise EngineDead(f"engine loop is not running: {self._error!r}")
+        """Raise if this replica can no longer serve (engine process or a TP rank gone)."""
+        if self._error is not None or self._proc.poll() is not None:
+            raise EngineDead(f"engine loop is not running: {self._error or f'exit code {self._proc.poll()}'}")
         if self._workers:
             done, _ = ray.wait([ref for _, ref in self._workers], num_returns=len(self._workers), timeout=0)
             if done:
                 raise EngineDead(f"tensor-parallel rank exited: {ray.get(done[0])!r}")
 
-    def validate(self, prompt_ids: list[int], params: DecodeConfig, constraint: ConstraintSpec | None = None) -> None:
-        """Last line of defence (the ingress checks first): the engine's one request check, plus this
-        deployment's bounds on max_length and max_nfe, so nothing that could crash the engine gets in."""
+    def validate(self, prompt_ids: list[int], params: DecodeConfig) -> None:
+        """Last line of defence (the ingress checks first): the one request check against the engine's limits,
+        plus this deployment's bounds on max_length and max_nfe, so nothing that could crash the engine gets in.
+        A constraint is compiled by the engine process when it admits the request (a refusal fails the request
+        with a ValueError naming the field)."""
         if not isinstance(params, DecodeConfig):
             raise ValueError(f"params must be a DecodeConfig, got {type(params).__name__}")
         if params.max_length > self.decode.max_length or params.max_nfe > self.decode.max_nfe:
             raise ValueError("max_length and max_nfe cannot exceed the replica's configuration")
-        if self._lockstep is None:
-            raise EngineDead("engine loop has not started")
-        self._lockstep.engine.check_request(prompt_ids, params, constraint)
+        validate_request(prompt_ids, params, self.decode, self._limits)
 
     def limits(self) -> EngineLimits:
         """What this replica's engine can serve (the ingress checks requests against it before routing them)."""
-        if self._lockstep is None:
-            raise EngineDead("engine loop has not started")
-        return self._lockstep.engine.limits
+        return self._limits
 
     def stats(self) -> dict[str, float]:
-        """A snapshot for operators and tests: open streams, aborted requests, and `engine_stats`."""
-        lock = self._lockstep
-        if lock is None:
-            return {"streams": len(self._streams), "aborted": self.num_aborted}
-        return {"streams": len(self._streams), "aborted": self.num_aborted} | engine_stats(lock.engine, len(lock.live))
+        """A snapshot for operators and tests: open streams, aborted requests, and the engine's stats (asked of
+        the engine process, as of its last step)."""
+        base = {"streams": len(self._streams), "aborted": self.num_aborted}
+        try:
+            self._send(("stats",))
+            return base | self._asks.get(timeout=STATS_TIMEOUT_S)
+        except (EngineDead, queue.Empty):
+            return base
 
     async def generate(self, prompt_ids: list[int], params: DecodeConfig, rid: str | None = None,
                        per_block: bool = True, constraint: ConstraintSpec | None = None) -> AsyncIterator[Delta]:
@@ -261,9 +240,9 @@ class EngineHost:
             if rid in self._streams:
                 raise ValueError(f"request id {rid} is already live")
             self._streams[rid] = s
-        self._inbox.put(("add", rid, list(prompt_ids), params, constraint))
         finished = False
         try:
+            self._send(("add", rid, list(prompt_ids), params, constraint))
             while not finished:
                 items = [await s.queue.get()]
                 while not s.queue.empty():
@@ -285,8 +264,21 @@ class EngineHost:
             live = self._streams.pop(rid, None) is not None
         if live:
             self.num_aborted += 1
-            self._inbox.put(("abort", rid))
+            try:
+                self._send(("abort", rid))
+            except EngineDead:
+                pass
 
     def shutdown(self) -> None:
-        self._inbox.put(("stop",))
-        self._thread.join(timeout=10)
+        """Stop the engine process (and with it the TP ranks' loops); kill it if it does not stop in time."""
+        try:
+            self._send(("stop",))
+        except EngineDead:
+            pass
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._reader.join(timeout=5)
+        self._conn.close()

@@ -1,8 +1,8 @@
 """Per-request timestamps for the service's time breakdown (`python -m benchmarks.serve_breakdown`).
 
 Off unless the environment variable MBD_TRACE_DIR names a directory; then each `Trace` (one per ingress replica,
-one per engine host) appends one JSON line per event, `[wall time, request id, event, value]`, to its own file
-there. Wall time (time.time) is comparable across the processes of one machine, which is where the breakdown is
+decoder replica and engine process) appends one JSON line per event, `[wall time, request id, event, value]`, to
+its own file there. Wall time (time.time) is comparable across the processes of one machine, which is where the breakdown is
 taken. When off, `mark` is one attribute test.
 """
 
@@ -24,6 +24,10 @@ class Trace:
             Path(d).mkdir(parents=True, exist_ok=True)
             self._out = open(Path(d) / f"{name}-{os.getpid()}.jsonl", "a", buffering=1)
         self._lock = threading.Lock()  # the engine thread and the event loop both write
+
+    @property
+    def enabled(self) -> bool:
+        return self._out is not None
 
     def mark(self, rid: str, event: str, value: float = 0) -> None:
         """Record `event` of request `rid` now (value: a token count or a duration, per event)."""

@@ -95,7 +95,7 @@ def served_request(device: str) -> dict:
 
     from mbd.config import load_yaml
     from mbd.decoding.spec import build_engine
-    from pipelines.ray_session import dashboard_port, free_port
+    from pipelines.ray_session import free_port, init_ray
     from serve_app.app import build_app
     from serve_app.config import ServeConfig
 
@@ -110,8 +110,7 @@ def served_request(device: str) -> dict:
     port = free_port()
     for attempt in (1, 2, 3):  # a loaded machine can miss the raylet's fixed 30 s registration window: retry
         try:
-            ray.init(address="local", num_cpus=2, num_gpus=1 if cuda else 0, object_store_memory=200 * 1024**2,
-                     include_dashboard=False, dashboard_port=dashboard_port())
+            init_ray(num_cpus=2, num_gpus=1 if cuda else 0, object_store_memory=200 * 1024**2)
             break
         except Exception as e:
             ray.shutdown()

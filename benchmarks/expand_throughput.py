@@ -25,6 +25,7 @@ from mbd.multitf.corrupt import expand_sequence
 from mbd.multitf.layouts import num_layouts
 from mbd.multitf.schedulers import SchedulerConfig, build_scheduler
 from pipelines.expand_layouts import rows_to_table
+from pipelines.ray_session import init_ray
 
 # (name, L, B, Gmax, N_rand): tab:appendix_train_hparams, SDAR-8B b32 and b4 rows
 SETTINGS = [("sdar_b32", 2048, 32, 4, 3), ("sdar_b4", 2048, 4, 4, 2)]
@@ -84,7 +85,7 @@ def job_rows_per_s(cpus: int, sequences: int, length: int, block_size: int, gmax
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_job_inputs(root, sequences, length, block_size)
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+        init_ray(num_cpus=cpus, log_to_driver=False)
         try:
             s = run_expand(ExpandConfig(inputs=[str(root / "corpus.jsonl")], output_dir=str(root / "out"),
                                         model_dir=str(root / "model"), max_length=length, gmax=gmax,

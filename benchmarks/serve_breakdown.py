@@ -1,5 +1,5 @@
 """Where a served request's time goes: per-request timestamps from the client, the ingress, the decoder replica and
-its engine thread (actors/trace.py, switched on by MBD_TRACE_DIR), joined by request id.
+its engine process (actors/trace.py, switched on by MBD_TRACE_DIR), joined by request id.
 
 For 1, 8 and 32 closed-loop clients (tiny model, configs/serve/tiny.yaml, chat, ignore_eos, --max-tokens each) it
 prints medians over requests of each hop, non-streaming and streaming:
@@ -14,7 +14,8 @@ prints medians over requests of each hop, non-streaming and streaming:
 and, streaming, per committed block: commit -> ingress -> SSE event out -> client. For the engine: its busy
 share of the wall time, and the share of wall time in which requests waited outside the engine (called, not yet
 admitted) while the engine had a free batch row. And the CPU time per request of each process on the path
-(HTTP proxy, ingress replica, decoder replica): unlike latencies, it hardly depends on the machine's load.
+(HTTP proxy, ingress replica, decoder replica, its engine process): unlike latencies, it hardly depends on the
+machine's load.
 
     python -m benchmarks.serve_breakdown [--concurrency 1 8 32] [--max-tokens 48]
 """
@@ -36,6 +37,7 @@ import psutil
 
 from actors.tp_worker import free_port
 from mbd.tiny.task import generate as tiny_problems
+from pipelines.ray_session import init_ray
 from serve_app.config import load_serve_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,16 +133,21 @@ def breakdown(client: dict, per: dict, engine: list, slots: int) -> dict:
 
 
 def service_processes(app: str) -> dict[str, psutil.Process]:
-    """This Serve instance's proxy and the app's replicas (Ray titles them ray::ServeReplica:<app>:<name>)."""
+    """The processes on this Serve instance's request path: the HTTP proxy (HAProxy in Ray Serve's high-throughput
+    mode, else Serve's Python proxy), the app's ingress and decoder replicas (Ray titles them
+    ray::ServeReplica:<app>:<name>) and the decoder's engine process."""
     out = {}
     for p in psutil.process_iter(["cmdline", "ppid"]):
         title = " ".join(p.info["cmdline"] or [])
         for name in ("Decoder", "OpenAIIngress"):
             if title.startswith(f"ray::ServeReplica:{app}:{name}"):
                 out[name] = p
+    out["engine"] = next(c for c in out["Decoder"].children() if "actors.engine_process" in " ".join(c.cmdline()))
     raylet = out["Decoder"].info["ppid"]
-    out["proxy"] = next(p for p in psutil.process_iter(["cmdline", "ppid"])
-                        if p.info["ppid"] == raylet and " ".join(p.info["cmdline"] or []).startswith("ray::ProxyActor"))
+    node = [p for p in psutil.Process(raylet).children(recursive=True) if p.is_running()]
+    haproxy = [p for p in node if p.name() == "haproxy"]
+    out["proxy"] = haproxy[0] if haproxy else next(p for p in node
+                                                    if " ".join(p.cmdline()).startswith("ray::ProxyActor"))
     return out
 
 
@@ -167,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from serve_app.app import build_app
 
-    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+    init_ray(num_cpus=args.cpus, logging_level="ERROR", log_to_driver=False,
              runtime_env={"env_vars": {"MBD_TRACE_DIR": str(trace)}})
     port = free_port()
     results = {}
@@ -198,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     for k, r in results.items():
         print(f"{k:>13} {r['load']:>5.1f} " + " ".join(f"{r['hops_ms'].get(h, float('nan')):>9.1f}" for h in HOPS)
               + f" {r['engine_busy']:>5.2f} {r['rows_free_while_waiting']:>7.2f}")
-    print("CPU ms per request (proxy / ingress / decoder): " + "; ".join(
-        f"{k}: " + " / ".join(f"{r['cpu_ms_per_request'][p]:.1f}" for p in ("proxy", "OpenAIIngress", "Decoder"))
-        for k, r in results.items()))
+    parts = ("proxy", "OpenAIIngress", "Decoder", "engine")
+    print(f"CPU ms per request ({procs['proxy'].name()} proxy / ingress / decoder replica / engine process): "
+          + "; ".join(f"{k}: " + " / ".join(f"{r['cpu_ms_per_request'][p]:.1f}" for p in parts)
+                      for k, r in results.items()))
     print("streaming, per committed block: " + "; ".join(
         f"{k}: " + ", ".join(f"{b} {v:.1f}" for b, v in r["block_ms"].items())
         for k, r in results.items() if k.endswith("stream")))

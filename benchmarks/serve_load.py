@@ -37,6 +37,7 @@ from mbd.model import build_model, load_checkpoint, save_checkpoint
 from mbd.tiny.task import generate as tiny_problems
 from mbd.tiny.vocab import save_tokenizer, special_token_ids, vocab
 from mbd.tokenizer import Tokenizer
+from pipelines.ray_session import init_ray
 from serve_app.config import ServeConfig, load_serve_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from serve_app.app import build_app
 
-    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    init_ray(num_cpus=args.cpus, logging_level="ERROR", log_to_driver=False)
     port = free_port()
     results: dict[int, dict] = {}
     try:

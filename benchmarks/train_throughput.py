@@ -24,6 +24,7 @@ from mbd.model import build_model, save_checkpoint
 from mbd.tiny.task import generate, write_jsonl
 from mbd.tiny.vocab import save_tokenizer, special_token_ids, vocab
 from mbd.train_config import TrainConfig
+from pipelines.ray_session import init_ray
 from pipelines.train_multitf import run_train
 
 
@@ -67,7 +68,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=1, help="runs per stage, in ABBA order")
     args = ap.parse_args()
-    ray.init(address="local", num_cpus=max(2, args.workers), include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=max(2, args.workers), log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model_dir, corpus = setup(root, args.hidden, args.layers)

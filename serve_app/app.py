@@ -59,5 +59,5 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     ing = cfg.ingress
     return OpenAIIngress.options(
         num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
-        ray_actor_options={"num_cpus": ing.num_cpus, "runtime_env": ONE_LOOP},
+        ray_actor_options={"num_cpus": ing.num_cpus, "runtime_env": {"env_vars": ONE_LOOP["env_vars"] | {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}}},
     ).bind(decoder, cfg)

@@ -29,7 +29,7 @@ class Decoder:
     async def generate(self, prompt_ids: list[int], params: DecodeConfig, per_block: bool = True,
                        rid: str | None = None, constraint: ConstraintSpec | None = None) -> AsyncIterator[Delta]:
         self.host.trace.mark(rid or "-", "arrive")
-        self.host.validate(prompt_ids, params, constraint)
+        self.host.validate(prompt_ids, params)
         async for d in self.host.generate(prompt_ids, params, rid, per_block, constraint):
             yield d
 

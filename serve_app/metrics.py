@@ -38,7 +38,7 @@ class IngressMetrics:
 
 class DecoderMetrics:
     """Per replica: requests inside the engine (decoding or waiting for a slot), the KV page pool, the prefix
-    cache and preemptions (from `actors.decoder.engine_stats`, refreshed by the engine loop)."""
+    cache and preemptions (from `actors.engine_process.engine_stats`, refreshed as the engine steps)."""
 
     def __init__(self) -> None:
         self.queue_length = Gauge("mbd_engine_requests", "requests in this replica's engine (running + waiting)")

@@ -31,6 +31,7 @@ import psutil
 
 from actors.tp_worker import free_port
 from pipelines.process_tree import descendants, end_processes
+from pipelines.ray_session import environment, serving_env
 
 MB = 1024**2
 
@@ -50,21 +51,6 @@ def _address_file_kept() -> Iterator[None]:
             path.unlink(missing_ok=True)
         elif not path.exists() or path.read_text() != before:
             path.write_text(before)
-
-
-@contextmanager
-def _environment(env: dict[str, str]) -> Iterator[None]:
-    """`env` in os.environ (which the node processes started meanwhile inherit), then as it was."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _node_ip() -> str:
@@ -116,8 +102,9 @@ class LocalCluster:
         return self.cluster.address
 
     def start(self, env: dict[str, str] | None = None) -> "LocalCluster":
-        """Start the head (its processes inherit `env` on top of this process's environment). Every node's
-        processes get RAY_ADDRESS naming this cluster: Ray code that looks a cluster up by itself (Ray Train's
+        """Start the head (its processes inherit `env` on top of this process's environment and of Ray Serve's
+        high-throughput mode, `serving_env()`, as the commands' local clusters). Every node's processes get
+        RAY_ADDRESS naming this cluster: Ray code that looks a cluster up by itself (Ray Train's
         placement-group cleaner asks the State API whether the run's controller lives) would otherwise find Ray's
         machine-wide `ray_current_cluster` record, which may name another user's cluster."""
         from ray.cluster_utils import Cluster
@@ -127,14 +114,14 @@ class LocalCluster:
                     dashboard_port=_free_port_not_reserved(),
                     dashboard_agent_listen_port=_free_port_not_reserved(), _system_config=self.system_config,
                     autoscaling_config=self.autoscaling_config)
-        self.env = {"RAY_ADDRESS": f"{_node_ip()}:{self.port}", **(env or {})}
-        with _environment(self.env), _address_file_kept():
+        self.env = {"RAY_ADDRESS": f"{_node_ip()}:{self.port}", **serving_env(), **(env or {})}
+        with environment(self.env), _address_file_kept():
             self.cluster = _retrying_startup(lambda: Cluster(initialize_head=True, head_node_args=head))
         return self
 
     def add_node(self, num_cpus: float = 1, resources: dict | None = None, object_store_mb: int | None = None):
         """A worker node (a raylet of its own); returns Ray's Node object (`.node_id`)."""
-        with _environment(self.env):
+        with environment(self.env):
             return _retrying_startup(lambda: self.cluster.add_node(
                 num_cpus=num_cpus, resources=resources or {},
                 object_store_memory=(object_store_mb or self.object_store_mb) * MB))

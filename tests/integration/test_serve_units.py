@@ -113,7 +113,7 @@ def test_engine_host_matches_engine_and_aborts_on_early_exit(ckpt, tok):
         deltas = asyncio.run(_collect(host, ids, params))
         assert [t for d in deltas for t in d.token_ids] == want.token_ids
         assert deltas[-1].finished and deltas[-1].nfe == want.nfe and deltas[-1].finish_reason == want.finish_reason
-        # per_block=False: the engine thread merges the blocks and hands over the whole generation once
+        # per_block=False: the reader thread merges the blocks and hands over the whole generation once
         (whole,) = asyncio.run(_collect(host, ids, params, per_block=False))
         assert (whole.token_ids, whole.finished, whole.nfe) == (want.token_ids, True, want.nfe)
         # leaving after the first block aborts the request inside the engine and frees its slot
@@ -145,13 +145,49 @@ def test_engine_host_refuses_bad_request_without_dying(ckpt, tok):
 
 
 def test_engine_loop_death_fails_requests_and_health(ckpt, tok):
+    """An exception in the engine loop ends the engine process: health checks and new requests fail, and so does
+    a request that was waiting on it."""
     host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
-    host._inbox.put(("add", "poison", None, DECODE))  # bypasses validation: the engine raises TypeError
-    host._thread.join(timeout=10)
+
+    async def poisoned() -> None:
+        waiting = asyncio.ensure_future(_collect(host, tok.encode("1+1="), DECODE.model_copy(
+            update={"max_new_tokens": 200, "tau_m2t": 1.0})))
+        await asyncio.sleep(0.2)
+        host._send(("add", "poison", None, DECODE, None))  # bypasses validation: the engine raises TypeError
+        with pytest.raises(EngineDead, match="TypeError"):
+            await waiting
+
+    asyncio.run(poisoned())
+    assert host._proc.wait(timeout=30) == 1
     with pytest.raises(EngineDead):
         host.check()
     with pytest.raises(EngineDead):
         asyncio.run(_collect(host, tok.encode("1+1="), DECODE))
+
+
+def test_engine_process_ends_with_its_replica(ckpt, tok):
+    """The engine process never outlives the replica process that started it (killed, it cannot say stop)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    import psutil
+
+    script = textwrap.dedent(f"""
+        from actors.decoder import EngineHost
+        from actors.tp_worker import ModelSpec
+        from mbd.config import EngineConfig
+        from tests.integration.test_serve_units import DECODE
+        host = EngineHost(ModelSpec(path={str(ckpt)!r}), DECODE, EngineConfig(max_batch_rows=2))
+        print(host._proc.pid, flush=True)
+        import time; time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    engine = psutil.Process(int(parent.stdout.readline()))
+    assert engine.is_running() and engine.ppid() == parent.pid
+    parent.kill()
+    parent.wait()
+    engine.wait(timeout=30)  # psutil.TimeoutExpired if it stayed
 
 
 # ---- request fields that reach the engine ----
@@ -229,7 +265,7 @@ def test_request_constraints_name_their_fields(ckpt, tok):
 
 
 def test_engine_host_constrains_and_reports_cached_tokens(ckpt, tok):
-    """A constraint travels through the host's inbox to the engine; a repeated prompt reports its cached
+    """A constraint travels with its request to the engine process; a repeated prompt reports its cached
     tokens (whole 16-token pages of its block-aligned part)."""
     import re
 
@@ -240,15 +276,17 @@ def test_engine_host_constrains_and_reports_cached_tokens(ckpt, tok):
         ids = tok.encode("7*8+9*6-4;" * 4)  # 40 tokens: two full pages
         params = DECODE.model_copy(update={"max_new_tokens": 24})
         spec = ConstraintSpec("regex", "[0-9]{2,5}=[a-z]{3}", "regex")
-        host.validate(ids, params, spec)
+        host.validate(ids, params)
         first = asyncio.run(_collect(host, ids, params, constraint=spec))
         text = tok.decode([t for d in first for t in d.token_ids])
         assert re.fullmatch("[0-9]{2,5}=[a-z]{3}", text) and first[-1].finish_reason == "eos"
         assert first[-1].cached_tokens == 0
         again = asyncio.run(_collect(host, ids, params))
         assert again[-1].cached_tokens == 32
-        with pytest.raises(ValueError, match="uniqueItems"):
-            host.validate(ids, params, ConstraintSpec.json_schema({"type": "array", "uniqueItems": True}))
+        with pytest.raises(ValueError, match="refused.*uniqueItems"):  # compiled, and refused, by the engine
+            asyncio.run(_collect(host, ids, params, constraint=ConstraintSpec.json_schema(
+                {"type": "array", "uniqueItems": True})))
+        assert asyncio.run(_collect(host, ids, params))[-1].finished  # and it goes on serving
     finally:
         host.shutdown()
 

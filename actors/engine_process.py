@@ -1,0 +1,133 @@
+"""The engine process of a decoder replica: rank 0's lockstep engine loop, in a process of its own.
+
+Why a process and not a thread of the replica: the engine's Python (scheduling, the policy's host bookkeeping,
+publishing a step) and the replica's request handling (Serve's request path, gRPC, pickling) would share one
+interpreter lock. On a model whose step is short, every request the replica handles then stalls the engine: on
+the tiny model a replica with the engine in a thread served 0.6x the requests of the same engine called directly
+(docs/performance.md), with the replica's process saturated and the machine's other core half idle. In its own
+process the engine steps at its own speed while the replica's Python runs beside it (vLLM V1 splits its engine
+core from its API server for the same reason).
+
+The replica (actors/decoder.py `EngineHost`) starts `python -m actors.engine_process` with one end of a socket pair
+and talks to it through that one connection. In: the ops of `actors.tp_worker.Op` and ("stats",). Out: ("ready",
+EngineLimits) once, then per step that has something to say ("step", outputs, refusals, stats or None), ("stats",
+dict) when asked, or ("error", message) before exiting. The process ends when the replica sends ("stop",) or when
+the connection closes (the replica died: no engine outlives its replica).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from actors.tp_worker import Lockstep, ModelSpec, Op, init_tp
+from actors.trace import Trace
+from mbd.config import DecodeConfig, EngineConfig
+from mbd.decoding.engine import Engine
+from mbd.decoding.spec import build_engine
+
+ON_STEP_S = 0.5  # stats ride along with a step's outputs at most this often (a step can take a millisecond)
+IDLE_TICK_S = 1.0  # an idle rank 0 still broadcasts this often, so follower ranks never hit a collective timeout
+FD_ENV = "MBD_ENGINE_FD"  # the inherited socket's file descriptor
+
+
+def engine_stats(engine: Engine, in_engine: int) -> dict[str, float]:
+    """Requests in the engine, free batch rows, decode steps and their wall time, the KV page pool (pages some
+    request holds, pages free or cached), prefix-cache hit rate (prompt tokens served from cached pages) and
+    preemptions so far."""
+    s, kv = engine.stats, engine.kv
+    return {"in_engine": in_engine, "free_slots": engine.num_free_rows(), "steps": s.steps, "step_s": s.step_s,
+            "kv_pages_used": kv.used(), "kv_pages_free": kv.available(), "prefix_hit_rate": s.prefix_hit_rate,
+            "prefix_hit_tokens": s.prefix_hit_tokens, "preemptions": s.preemptions}
+
+
+def _drain(conn: Connection, block: bool) -> list[Op]:
+    """Every op waiting on the connection; when idle, wait up to IDLE_TICK_S for the first. EOFError: the replica
+    is gone."""
+    ops = []
+    if block and not conn.poll(IDLE_TICK_S):
+        return ops
+    while conn.poll(0):
+        ops.append(conn.recv())
+    return ops
+
+
+def serve(conn: Connection, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, addr: str, port: int) -> None:
+    """Build rank 0's engine, report its limits, then run the loop until ("stop",) or the replica goes."""
+    trace = Trace("engine")
+    tp, ctrl = init_tp(spec, engine, 0, addr, port)
+    try:
+        with torch.inference_mode():
+            lock = Lockstep(build_engine(spec.resolved_path(), decode, engine, tp), tp.world, ctrl)
+            conn.send(("ready", lock.engine.limits))
+            reported, committed = 0.0, {}
+            while not lock.stopped:
+                idle = not lock.engine.has_unfinished()
+                t = time.perf_counter()
+                ops = _drain(conn, block=idle)
+                if idle:
+                    trace.mark("-", "idle", time.perf_counter() - t)
+                asks = sum(op[0] == "stats" for op in ops)
+                ops = lock.exchange([op for op in ops if op[0] != "stats"])
+                refused = lock.apply(ops)
+                for op in ops:
+                    if op[0] == "add" and op[1] not in dict(refused):
+                        trace.mark(op[1], "admit")
+                t = time.perf_counter()
+                outs = lock.step()
+                trace.mark("-", "step", time.perf_counter() - t)
+                for o in outs if trace.enabled else ():  # tokens committed so far, as the replica counts them
+                    n = committed.pop(o.request_id, 0) + len(o.new_token_ids)
+                    if o.new_token_ids:
+                        trace.mark(o.request_id, "commit", n)
+                    if not o.finished:
+                        committed[o.request_id] = n
+                stats = None
+                if asks or (outs and time.monotonic() - reported >= ON_STEP_S):
+                    reported, stats = time.monotonic(), engine_stats(lock.engine, len(lock.live))
+                if outs or refused or stats is not None:
+                    conn.send(("step", outs, refused, stats))
+                for _ in range(asks):
+                    conn.send(("stats", stats))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main() -> None:
+    conn = Connection(int(os.environ.pop(FD_ENV)))
+    try:
+        serve(conn, *conn.recv())
+    except EOFError:  # the replica went away: nobody is left to serve
+        pass
+    except BaseException as e:  # noqa: BLE001 - the replica fails its requests and its health check with this
+        try:
+            conn.send(("error", repr(e)))
+        except OSError:
+            pass
+        sys.exit(1)
+
+
+def start(spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, addr: str, port: int
+          ) -> tuple["subprocess.Popen", Connection]:
+    """`python -m actors.engine_process` with the same interpreter, environment and import path as this
+    process, and the replica's end of its connection (the engine's arguments already sent)."""
+    import subprocess
+
+    mine, theirs = socket.socketpair()
+    env = os.environ | {FD_ENV: str(theirs.fileno()), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "actors.engine_process"], env=env, pass_fds=[theirs.fileno()])
+    theirs.close()
+    conn = Connection(mine.detach())
+    conn.send((spec, decode, engine, addr, port))
+    return proc, conn
+
+
+if __name__ == "__main__":
+    main()
