@@ -2,8 +2,8 @@
 
 Off unless the environment variable MBD_TRACE_DIR names a directory; then each `Trace` (one per ingress replica,
 decoder replica and engine process) appends one JSON line per event, `[wall time, request id, event, value]`, to
-its own file there. Wall time (time.time) is comparable across the processes of one machine, which is where the breakdown is
-taken. When off, `mark` is one attribute test.
+its own file there. Wall time (time.time) is comparable across the processes of one machine, which is where the
+breakdown is taken. When off, `mark` is one attribute test.
 """
 
 from __future__ import annotations
