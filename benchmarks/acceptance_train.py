@@ -1,4 +1,5 @@
-"""The two system rows of `benchmarks.gpu_acceptance`: DeepSpeed ZeRO-2 training steps, and one served request.
+"""The system rows of `benchmarks.gpu_acceptance`: DeepSpeed ZeRO-2 training steps (dense and FlexAttention masks),
+and one served request.
 
 Training runs DeepSpeed in this process (one rank) on the MultiTF objective with the trainer's own pieces
 (`DeepSpeedSection.ds_config`, `OnTheFlyRows`, `collate`, `compute_objective`), so it needs no Ray cluster;
@@ -42,7 +43,10 @@ def allocated_zero2(optimizer) -> tuple[int, int]:
     return params, master + state
 
 
-def zero2_steps(size: str, device: str, steps: int, rows: int, length: int) -> dict:
+def zero2_steps(size: str, device: str, steps: int, rows: int, length: int, attention: str = "dense") -> dict:
+    """`steps` ZeRO-2 steps of MultiTF CE on a random SDAR of `size` with the dual-stream mask as `attention`
+    (dense SDPA or FlexAttention, which has a backward only on GPUs): the losses and the plan vs what DeepSpeed
+    allocated."""
     from pipelines.ray_session import free_port
 
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device == "cuda" else "cpu")
@@ -70,7 +74,7 @@ def zero2_steps(size: str, device: str, steps: int, rows: int, length: int) -> d
         for step in range(steps):
             idx = [(step * rows + i) % data.rows_per_epoch for i in range(rows)]
             batch = collate(rows_to_columns(data.rows(0, idx)), block_size=block, pad_token_id=cfg.pad_token_id,
-                            device=device)
+                            attention=attention, device=device)
             out = compute_objective(engine, batch, ObjectiveSection(), cfg.mask_token_id)
             engine.backward(out.loss)
             engine.step()
@@ -79,7 +83,7 @@ def zero2_steps(size: str, device: str, steps: int, rows: int, length: int) -> d
         params, states = allocated_zero2(optimizer)
         plan = {i.name: i.bytes for i in zero_states(n_params, TrainShape(1, 2, ds.use_bf16(use_gpu), rows, length))}
         error = max(abs(plan["parameters"] - params) / params, abs(plan["optimizer states"] - states) / states)
-        return {"model": f"random SDAR {size} ({n_params / 1e6:.1f}M)", "first_loss": losses[0],
+        return {"model": f"random SDAR {size} ({n_params / 1e6:.1f}M)", "losses": losses, "first_loss": losses[0],
                 "last_loss": losses[-1], "finite": all(np.isfinite(losses)), "plan_error": error,
                 "allocated": {"parameters": params, "optimizer states": states},
                 "planned": {"parameters": plan["parameters"], "optimizer states": plan["optimizer states"]}}

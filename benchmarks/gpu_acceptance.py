@@ -7,8 +7,9 @@ Rows: CUDA Graph replay == eager (tokens and NFE) for every bucket the run captu
 GPU) == SDPA; bf16 drift against fp32 (`benchmarks.bf16_drift`); our engine against the plain transformers loop
 (`benchmarks.hf_baseline`) on a random SDAR (~0.5B on GPU) at B=4 and B=32, batch 1 and 16, SingleBD and N_buf 2,
 the plain loop's tokens checked equal to our SingleBD's; 20 DeepSpeed ZeRO-2 steps of the MultiTF objective with
-the memory plan checked against the tensors DeepSpeed allocated; one request served by Ray Serve over HTTP, equal
-to the engine called directly. Rows that need CUDA print "skipped (no CUDA)" on CPU. Exit status 1 if a row fails.
+the memory plan checked against the tensors DeepSpeed allocated; the same steps with the dual-stream mask as
+FlexAttention equal to the dense mask's; one request served by Ray Serve over HTTP, equal to the engine called
+directly. Rows that need CUDA print "skipped (no CUDA)" on CPU. Exit status 1 if a row fails.
 """
 
 from __future__ import annotations
@@ -189,6 +190,22 @@ def train_row(s: Sizes, device: str) -> Row:
     return Row("DeepSpeed ZeRO-2, 20 steps", "PASS" if ok else "FAIL", detail, data=r)
 
 
+def flex_train_row(s: Sizes, device: str) -> Row:
+    """The dual-stream mask as FlexAttention BlockMasks (what the SDAR-8B train configs need to fit: docs/gpu.md)
+    against the dense SDPA mask: the same 5 ZeRO-2 steps from the same weights give the same losses (bf16)."""
+    from benchmarks.acceptance_train import zero2_steps
+
+    if device != "cuda":
+        return Row("MultiTF training: flex == dense", SKIPPED, "needs a GPU (FlexAttention has no backward on CPU)")
+    dense, flex = (zero2_steps(s.train_model, device, steps=5, rows=s.train_rows, length=s.train_len, attention=a)
+                   for a in ("dense", "flex"))
+    worst = max(abs(a - b) / abs(a) for a, b in zip(dense["losses"], flex["losses"]))
+    ok = flex["finite"] and worst <= 0.02
+    return Row("MultiTF training: flex == dense", "PASS" if ok else "FAIL",
+               f"{dense['model']}: 5 steps, largest relative loss difference {worst:.4f} (<= 0.02)",
+               data={"dense": dense["losses"], "flex": flex["losses"]})
+
+
 def serve_row(s: Sizes, device: str) -> Row:
     from benchmarks.acceptance_train import served_request
 
@@ -198,10 +215,11 @@ def serve_row(s: Sizes, device: str) -> Row:
 
 
 ROWS: dict[str, Callable[[Sizes, str], Row]] = {"graphs": graphs_row, "flex": flex_row, "bf16": bf16_row,
-                                                "hf": hf_row, "train": train_row, "serve": serve_row}
+                                                "hf": hf_row, "train": train_row, "flex_train": flex_train_row,
+                                                "serve": serve_row}
 TITLES = {"graphs": "CUDA Graph replay == eager", "flex": "FlexAttention == SDPA", "bf16": "bf16 drift vs fp32",
           "hf": "engine vs transformers loop", "train": "DeepSpeed ZeRO-2, 20 steps",
-          "serve": "one request served (Ray Serve, HTTP)"}
+          "flex_train": "MultiTF training: flex == dense", "serve": "one request served (Ray Serve, HTTP)"}
 
 
 def run_rows(names: list[str], s: Sizes, device: str) -> list[Row]:

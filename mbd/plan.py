@@ -139,7 +139,6 @@ class ServeShape:
     cuda_graphs: bool | None = None  # None: on with CUDA (for a capturable model)
     batch_buckets: tuple[int, ...] | None = None
     prefill_chunk: int = 512
-    graph_pool: str = "per_bucket"  # the runner gives each captured bucket its own pool; "shared": one pool
 
 
 def buckets_for(rows: int) -> tuple[int, ...]:
@@ -244,8 +243,9 @@ def serve_plan(cfg: ModelConfig, decode: DecodeConfig, shape: ServeShape, device
 
 
 def _graph_item(cfg: ModelConfig, shape: ServeShape, decode: DecodeConfig, size: int, homes: bool, e: int) -> Item:
-    """Each captured bucket (batch, slots, span, active, home) keeps a private pool about the size of its
-    forward's peak: the sum over every bucket a long-running server eventually captures."""
+    """The runner captures every bucket (batch, slots, span, active, home) into one shared pool and writes every
+    graph's logits into one buffer: the largest forward's peak, that buffer and each bucket's small window output,
+    once a long-running server has captured them all."""
     graphs = shape.cuda if shape.cuda_graphs is None else shape.cuda_graphs
     if not graphs:
         return Item("CUDA-Graph pools", 0, "off (no CUDA Graphs)")
@@ -257,14 +257,12 @@ def _graph_item(cfg: ModelConfig, shape: ServeShape, decode: DecodeConfig, size:
             for active in range(1, slots + 1):
                 for span in _span_buckets(size):
                     peaks.append(decode_activation(cfg, shape.tp, e, b, slots, span, active, shape.attention))
-                    outputs += b * active * cfg.block_size * (cfg.vocab_size * e + 8)  # static logits, window
+                    outputs += b * active * cfg.block_size * 8  # the static window (int64 positions)
     copies = 2 if homes else 1  # a bucket is captured once reading home pages in place, once gathering
     count = len(peaks) * copies
-    if shape.graph_pool == "shared":
-        return Item("CUDA-Graph pools", max(peaks) + outputs * copies, f"{count} buckets in one shared pool: the "
-                    "largest forward + every static output", grows=True)
-    return Item("CUDA-Graph pools", sum(peaks) * copies, f"{count} buckets, each its own pool holding its forward's "
-                "peak (all captured)", grows=True)
+    logits = shape.max_batch_rows * n_buf * cfg.block_size * cfg.vocab_size * e
+    return Item("CUDA-Graph pools", max(peaks) + logits + outputs * copies, f"{count} buckets in one shared pool: "
+                "the largest forward + one logits buffer + every bucket's window (all captured)", grows=True)
 
 
 # ---------------------------------------------------------------------------------------------- training

@@ -1,4 +1,4 @@
-"""Model runner: prefill, and the static-shape Block Buffer forward (CUDA Graph per (batch, span) bucket on GPU).
+"""Model runner: prefill, and the static-shape Block Buffer forward (a CUDA Graph per bucket on GPU, one pool).
 
 `run(batch)` is the model half of an engine step (`Engine.step` = schedule -> run -> postprocess): it makes the
 device's slot states and committed lengths match the batch's row layout (derived from the requests, uploaded
@@ -121,6 +121,8 @@ class ModelRunner:
         self._kv_block = self._kv // self.block
         self.prefill_chunk = max(self.block, engine.prefill_chunk // self.block * self.block)
         self.use_graphs = use_cuda_graphs(model, engine.cuda_graphs, dev)
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # every bucket's graph shares it
+        self._logits: torch.Tensor | None = None  # and writes its logits into this buffer (`_capture`)
         self._graphs: dict[tuple[int, int, int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._inputs: dict[tuple[int, int, int], tuple[torch.Tensor, object]] = {}  # eager: (positions, mask)
         self._uploaded = [FREE_ROW] * rows  # what the device's slot states and committed lengths hold
@@ -304,14 +306,21 @@ class ModelRunner:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step(b, slots, span, active, home)
+                logits, _ = self._step(b, slots, span, active, home)
         torch.cuda.current_stream().wait_stream(side)
-        # Each bucket gets its own memory pool: buckets are captured lazily in any order and replayed in any
-        # order, so a shared pool could hand one graph's static output to another graph's scratch.
+        if self._logits is None:  # [rows, Q, V]: every graph's logits land in a view of this one buffer
+            self._logits = logits.new_empty(self.buf.tokens.shape + logits.shape[-1:])
+        # One memory pool and one logits buffer for every bucket, so graphs cost the largest forward plus one
+        # batch of logits instead of the sum of every bucket's forward and logits (terabytes for SDAR-8B's 2,520
+        # buckets: docs/gpu.md). Safe because graphs replay one at a time on one stream and each step consumes its
+        # logits (the policy's update, the one device-to-host copy) before the next forward: a later capture may
+        # reuse an earlier one's scratch, never memory still referenced (the buffer, each graph's window).
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._step(b, slots, span, active, home)
-        return graph, out
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, idx = self._step(b, slots, span, active, home)
+            out = self._logits[:b, : logits.shape[1]]
+            out.copy_(logits)
+        return graph, (out, idx)
 
     def prefill(self, row: int, ids: list[int], start: int = 0) -> None:
         """Run prompt tokens `ids` (block-aligned, placed at `start`, after the committed [0, start) of cache row

@@ -18,9 +18,11 @@ def test_quick_acceptance_passes_every_row(tmp_path):
     rows = {r["check"].split(" (")[0]: r for r in json.loads(out.read_text())}
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert "| CUDA Graph replay == eager | skipped (no CUDA) |" in proc.stdout
-    assert [r["result"] for r in rows.values()] == ["skipped (no CUDA)"] + ["PASS"] * 5
-    assert set(rows) == {"CUDA Graph replay == eager", "FlexAttention", "bf16 drift vs fp32",
-                         "engine vs transformers loop", "DeepSpeed ZeRO-2, 20 steps", "one request served"}
+    skipped = {"CUDA Graph replay == eager", "MultiTF training: flex == dense"}  # no CUDA; no flex backward on CPU
+    assert {k: r["result"] for k, r in rows.items()} == {k: "skipped (no CUDA)" if k in skipped else "PASS"
+                                                         for k in rows}
+    assert set(rows) == skipped | {"FlexAttention", "bf16 drift vs fp32", "engine vs transformers loop",
+                                   "DeepSpeed ZeRO-2, 20 steps", "one request served"}
     train = rows["DeepSpeed ZeRO-2, 20 steps"]["data"]
     assert train["plan_error"] <= 0.05 and train["last_loss"] < train["first_loss"]
     tiny = rows["bf16 drift vs fp32"]["data"]["tinymath"]
