@@ -151,12 +151,14 @@ class Scheduler:
                 self._preempt(next(reversed(self.running.values())))
 
     def _preempt(self, req: Request) -> None:
-        """Free the request's row and pages and queue it first, keeping its Block Buffer (resident tokens and
-        slot counts) on the host. On readmission its committed tokens are prefilled again (or found in the
+        """Free the request's row and pages and queue it first, keeping its Block Buffer (resident tokens, DMax's
+        merge weights and slot counts) on the host. On readmission its committed tokens are prefilled again (or found in the
         prefix cache) and the buffer is put back as it was, so the request decodes exactly as if never
         preempted (a MultiBD buffer's later blocks depend on the earlier ones' partial state)."""
         if req.decoding:
-            req.resume = (self.buf.tokens[req.row, : req.n_res * self.block].tolist(), req.n_res, req.n_tc)
+            q = req.n_res * self.block
+            req.resume = (self.buf.tokens[req.row, :q].tolist(), self.buf.token_conf[req.row, :q].tolist(), req.n_res,
+                          req.n_tc)
             req.aligned_len = req.committed
         self.release(req.row)
         del self.running[req.row]
@@ -173,8 +175,8 @@ class Scheduler:
         self.buf.load_row(req.row, req.prompt_ids[req.aligned_len:], req.prompt_len, req.params, req.semi_max_masked)
         req.committed, req.n_res, req.n_tc, req.decoding = req.aligned_len, 1, 0, True
         if req.resume is not None:
-            tokens, req.n_res, req.n_tc = req.resume
-            self.buf.restore_row(req.row, tokens)
+            tokens, conf, req.n_res, req.n_tc = req.resume
+            self.buf.restore_row(req.row, tokens, conf)
             req.resume = None
         self.kv.register(req.row, req.known, req.committed)
 

@@ -110,10 +110,11 @@ class BatchBuffers:
         self.tau_t2t[row] = 2.0 if p.tau_t2t is None else p.tau_t2t
         self.token_conf[row] = 1.0
 
-    def restore_row(self, row: int, tokens: list[int]) -> None:
-        """Put back a preempted request's resident tokens (after `load_row` set its params; DMax's merge weights
-        restart at 1: a token filled in the step before the preemption enters hard once)."""
+    def restore_row(self, row: int, tokens: list[int], conf: list[float]) -> None:
+        """Put back a preempted request's resident tokens and DMax's merge weights of them (after `load_row` set
+        its params)."""
         self.tokens[row, : len(tokens)] = torch.tensor(tokens, device=self.tokens.device)
+        self.token_conf[row, : len(conf)] = torch.tensor(conf, device=self.token_conf.device)
 
     def clear_row(self, row: int) -> None:
         """A free batch row: masked (and all DUMMY once uploaded), inert while the static forward still runs it."""
@@ -159,7 +160,8 @@ class Request:
     known: list[int] = field(default_factory=list)  # tokens final from position 0: the prompt, then final blocks
     aligned_len: int = 0  # block-aligned known tokens prefilled on admission (the prompt's; after a preemption, all
     # committed ones), prefix-cache hits included
-    resume: tuple[list[int], int, int] | None = None  # after a preemption: (resident buffer tokens, n_res, n_tc)
+    # after a preemption: (resident buffer tokens, their DMax merge weights, n_res, n_tc)
+    resume: tuple[list[int], list[float], int, int] | None = None
     committed: int = 0  # committed prefix length (the cache's is uploaded from it); < aligned_len while prefilling
     semi_max_masked: int = -1  # most masks a semi-complete block may hold (`Policy.semi_max_masked`)
     decoding: bool = False  # the aligned prompt is committed and the Block Buffer runs

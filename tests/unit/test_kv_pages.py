@@ -18,7 +18,9 @@ from tests.unit.test_decoding_engine import dcfg, tempered_model
 from tests.unit.test_tp import _port
 
 SHARED = [3 + (7 * i) % 58 for i in range(40)]  # a 40-token "system prompt": two full pages of 16
-MODES = {"singlebd": dict(buffer_size=1), "multibd": dict(buffer_size=3)}
+MODES = {"singlebd": dict(buffer_size=1), "multibd": dict(buffer_size=3),
+         # DMax's token merge: a filled token's confidence weights its embedding in the next forward
+         "dmax": dict(buffer_size=1, tau_add=None, tau_t2t=0.0, strategy="dmax")}
 
 
 def prompts(n: int) -> list[list[int]]:
