@@ -23,7 +23,7 @@ class Trace:
         if d:
             Path(d).mkdir(parents=True, exist_ok=True)
             self._out = open(Path(d) / f"{name}-{os.getpid()}.jsonl", "a", buffering=1)
-        self._lock = threading.Lock()  # the engine thread and the event loop both write
+        self._lock = threading.Lock()  # a replica's event loop and its reader thread both write
 
     @property
     def enabled(self) -> bool:

@@ -6,7 +6,7 @@ prints medians over requests of each hop, non-streaming and streaming:
   client -> ingress      HTTP proxy to the ingress handler
   convert                validation and tokenization in the ingress
   route                  ingress call -> decoder replica handler (Serve router, Ray task)
-  hand-off               replica handler -> engine admits it (event loop -> engine thread)
+  hand-off               replica handler -> engine admits it (replica -> engine process)
   engine                 admitted -> last block committed (waiting for a row, prefill, decoding)
   back                   last commit -> its delta reaches the ingress (Ray stream)
   respond                ingress -> response (or last SSE event) leaves the handler

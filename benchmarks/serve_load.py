@@ -4,7 +4,7 @@ configs/serve/tiny.yaml), and the same workload on the engine called directly in
 Each client is closed-loop (sends its next request when the previous one returns). The direct run keeps the
 same number of requests in flight through `add_request`/`step`, so HTTP/direct ratios measured in one run are
 the cost of the service (HTTP, validation, tokenization, Serve routing, the Ray stream of committed blocks and
-the engine thread hand-off). Direct and HTTP rounds alternate and the best round of each is kept, because this
+the hand-off to the engine process). Direct and HTTP rounds alternate and the best round of each is kept, because this
 machine is shared; on an oversubscribed machine the multi-process HTTP path gets more CPU shares than the
 single direct process, so read the ratios together with the machine load.
 
