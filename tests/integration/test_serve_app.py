@@ -81,6 +81,18 @@ def _want(ref, ids, max_tokens, **kw):
 # ---------------------------------------------------------------- equality with the engine
 
 
+def test_http_goes_through_haproxy_and_the_engine_runs_in_its_own_process(base):
+    """The session's cluster serves in Ray Serve's high-throughput mode (`serving_env`): HAProxy, not Serve's
+    Python proxy, holds the HTTP port; and the decoder replica's engine is a child process of it."""
+    import psutil
+
+    port = int(base.rsplit(":", 1)[1])
+    listeners = {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    assert {psutil.Process(p).name() for p in listeners} == {"haproxy"}  # (two while HAProxy reloads its config)
+    replica = psutil.Process(_stats("tp1")["pid"])
+    assert [" ".join(c.cmdline()[-2:]) for c in replica.children()] == ["-m actors.engine_process"]
+
+
 def test_completion_matches_engine(base, ref):
     ids = ref[1].encode("12+7=")
     want = _want(ref, ids, 24)
