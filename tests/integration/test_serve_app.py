@@ -87,7 +87,8 @@ def test_http_goes_through_haproxy_and_the_engine_runs_in_its_own_process(base):
     import psutil
 
     port = int(base.rsplit(":", 1)[1])
-    listeners = {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    listeners = {c.pid for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
     assert {psutil.Process(p).name() for p in listeners} == {"haproxy"}  # (two while HAProxy reloads its config)
     replica = psutil.Process(_stats("tp1")["pid"])
     assert [" ".join(c.cmdline()[-2:]) for c in replica.children()] == ["-m actors.engine_process"]
