@@ -96,7 +96,9 @@ class EngineHost:
         self.engine = engine
         self._on_step = on_step
         self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()  # the streams, and sends on the connection (event loop and caller threads)
+        self._lock = threading.Lock()  # the streams (the event loop and the reader thread)
+        self._send_lock = threading.Lock()  # sends on the connection (never held by the reader: no deadlock when
+        # both directions' socket buffers are full, the reader keeps draining)
         self._error: BaseException | None = None
         self._asks: queue.SimpleQueue[dict[str, float]] = queue.SimpleQueue()
         self._grammar: GrammarVocab | None = None
@@ -183,14 +185,14 @@ class EngineHost:
         _hand_over([(s, e) for s in streams])
 
     def _send(self, op: Op) -> None:
-        """One op to the engine process (under the lock: the event loop and other threads send)."""
-        with self._lock:
-            if self._error is not None:
-                raise EngineDead(f"engine loop is not running: {self._error}")
-            try:
+        """One op to the engine process (the event loop and other threads send)."""
+        if self._error is not None:
+            raise EngineDead(f"engine loop is not running: {self._error}")
+        try:
+            with self._send_lock:
                 self._conn.send(op)
-            except OSError as e:
-                raise EngineDead(f"engine process unreachable: {e!r}") from e
+        except OSError as e:
+            raise EngineDead(f"engine process unreachable: {e!r}") from e
 
     # ---- event-loop side ----
 
