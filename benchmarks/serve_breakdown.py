@@ -132,27 +132,42 @@ def breakdown(client: dict, per: dict, engine: list, slots: int) -> dict:
             "requests": len(windows)}
 
 
-def service_processes(app: str) -> dict[str, psutil.Process]:
+def service_processes(app: str) -> dict[str, list[psutil.Process]]:
     """The processes on this Serve instance's request path: the HTTP proxy (HAProxy in Ray Serve's high-throughput
-    mode, else Serve's Python proxy), the app's ingress and decoder replicas (Ray titles them
-    ray::ServeReplica:<app>:<name>) and the decoder's engine process."""
-    out = {}
+    mode, which starts a new process when it reloads its config, else Serve's Python proxy), the app's ingress and
+    decoder replicas (Ray titles them ray::ServeReplica:<app>:<name>) and the decoder's engine process."""
+    out: dict[str, list[psutil.Process]] = {}
     for p in psutil.process_iter(["cmdline", "ppid"]):
         title = " ".join(p.info["cmdline"] or [])
         for name in ("Decoder", "OpenAIIngress"):
             if title.startswith(f"ray::ServeReplica:{app}:{name}"):
-                out[name] = p
-    out["engine"] = next(c for c in out["Decoder"].children() if "actors.engine_process" in " ".join(c.cmdline()))
-    raylet = out["Decoder"].info["ppid"]
-    node = [p for p in psutil.Process(raylet).children(recursive=True) if p.is_running()]
-    haproxy = [p for p in node if p.name() == "haproxy"]
-    out["proxy"] = haproxy[0] if haproxy else next(p for p in node
-                                                    if " ".join(p.cmdline()).startswith("ray::ProxyActor"))
+                out[name] = [p]
+    decoder = out["Decoder"][0]
+    out["engine"] = [c for c in decoder.children() if "actors.engine_process" in " ".join(c.cmdline())]
+    node = psutil.Process(decoder.info["ppid"]).children(recursive=True)
+    out["proxy"] = [p for p in node if p.name() == "haproxy"] or [
+        p for p in node if " ".join(p.cmdline()).startswith("ray::ProxyActor")]
     return out
 
 
-def cpu_s(procs: dict[str, psutil.Process]) -> dict[str, float]:
-    return {k: sum(p.cpu_times()[:2]) for k, p in procs.items()}
+def cpu_s(app: str) -> dict[str, dict[int, float]]:
+    """CPU seconds so far of every process of `service_processes`, by pid."""
+    out = {}
+    for name, procs in service_processes(app).items():
+        out[name] = {}
+        for p in procs:
+            try:
+                out[name][p.pid] = sum(p.cpu_times()[:2])
+            except psutil.NoSuchProcess:
+                pass
+    return out
+
+
+def cpu_ms_per_request(before: dict, after: dict, requests: int) -> dict[str, float]:
+    """CPU milliseconds per request of each part between two `cpu_s` readings (a process started in between
+    counts whole; one that ended in between, such as an HAProxy replaced by a reload, is lost: a small part)."""
+    return {k: 1e3 * sum(t - before.get(k, {}).get(pid, 0.0) for pid, t in v.items()) / requests
+            for k, v in after.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,13 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         serve.run(build_app({"serve_config": cfg}), name="breakdown", route_prefix="/")
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         asyncio.run(clients(url, cfg.model.name, messages[:2], 2, args.max_tokens, False))  # warm-up
-        procs = service_processes("breakdown")
+        proxy = service_processes("breakdown")["proxy"][0].name()
         for c in args.concurrency:
             for stream in (False, True):
-                load, cpu0 = os.getloadavg()[0], cpu_s(procs)
+                load, cpu0 = os.getloadavg()[0], cpu_s("breakdown")
                 seen = asyncio.run(clients(url, cfg.model.name, messages[:max(16, c * args.per_client)], c,
                                            args.max_tokens, stream))
-                cpu = {k: 1e3 * (v - cpu0[k]) / len(seen) for k, v in cpu_s(procs).items()}
+                cpu = cpu_ms_per_request(cpu0, cpu_s("breakdown"), len(seen))
                 time.sleep(0.5)  # the last trace lines reach their files
                 per, engine = load_trace(trace)
                 results[f"{c}/{'stream' if stream else 'json'}"] = breakdown(seen, per, engine,
@@ -206,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:>13} {r['load']:>5.1f} " + " ".join(f"{r['hops_ms'].get(h, float('nan')):>9.1f}" for h in HOPS)
               + f" {r['engine_busy']:>5.2f} {r['rows_free_while_waiting']:>7.2f}")
     parts = ("proxy", "OpenAIIngress", "Decoder", "engine")
-    print(f"CPU ms per request ({procs['proxy'].name()} proxy / ingress / decoder replica / engine process): "
+    print(f"CPU ms per request ({proxy} proxy / ingress / decoder replica / engine process): "
           + "; ".join(f"{k}: " + " / ".join(f"{r['cpu_ms_per_request'][p]:.1f}" for p in parts)
                       for k, r in results.items()))
     print("streaming, per committed block: " + "; ".join(
