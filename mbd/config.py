@@ -306,10 +306,12 @@ def apply_sets(data: dict[str, Any], items: Sequence[str]) -> dict[str, Any]:
 
 
 def read_yaml(path: str | Path, section: str | None = None) -> dict[str, Any]:
-    """The mapping in a YAML file (or in its top-level `section`)."""
-    p = Path(path)
+    """The mapping in a YAML file (or in its top-level `section`); a relative path is looked up in the working
+    directory, then under the repository root (`resolve_path`), so `--config configs/...` works from anywhere
+    (a `ray job submit` driver starts in a directory of its own)."""
+    p = resolve_path(path)
     if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
+        raise ConfigError(f"config file not found: {path}")
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:

@@ -51,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mbd import storage
 from mbd.config import apply_sets, read_yaml, validate
+from mbd.hub import resolve_model
 from mbd.multitf.corrupt import ROW_SCHEMA
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
 from mbd.multitf.rows import LayoutSection, TokenizedSequence, sequence_rows
@@ -71,7 +72,8 @@ class ExpandConfig(BaseModel):
 
     inputs: list[str] = Field(min_length=1, description="JSONL/Parquet files or directories")
     output_dir: str = Field(description="a local directory or a filesystem URI every node sees (file://, s3://, ...)")
-    model_dir: str = Field(description="directory with config.json and tokenizer.json")
+    model_dir: str = Field(description="directory with config.json and tokenizer.json (relative: to the working "
+                                       "directory, then the repository root), or a Hub id ORG/NAME[@REVISION]")
     block_size: int | None = Field(default=None, gt=0, description="B; default: the model's block_size")
     max_length: int = Field(default=2048, gt=0, description="padded prompt + response tokens")
     mode: Literal["multitf", "d2f"] = Field(default="multitf", description="d2f: the authors' D2F ablation rows")
@@ -246,13 +248,16 @@ def run_expand(cfg: ExpandConfig) -> ExpandSummary:
     """Run the expansion job on the current Ray cluster (`init_ray` if none is connected)."""
     if not ray.is_initialized():
         init_ray()
-    _, model_cfg = load_tokenizer(cfg.model_dir)
+    # an absolute directory for the driver and every task (a job's driver and Ray's workers each start in a
+    # directory of their own): the path as given, else under the repository root, else a Hub id's snapshot
+    model_dir = str(resolve_model(cfg.model_dir).resolve())
+    _, model_cfg = load_tokenizer(model_dir)
     block_size = cfg.block_size or model_cfg.block_size
     start = time.perf_counter()
     # Re-block by record count: one large JSONL file would otherwise be tokenized and expanded by one task.
     tokenized = read_records(cfg.inputs).repartition(target_num_rows_per_block=cfg.sequences_per_task).map_batches(
         tokenize_batch, batch_format="pyarrow",
-        fn_kwargs=dict(model_dir=cfg.model_dir, block_size=block_size, max_length=cfg.max_length),
+        fn_kwargs=dict(model_dir=model_dir, block_size=block_size, max_length=cfg.max_length),
     ).materialize()
     good = tokenized.map_batches(select, batch_format="pyarrow", fn_kwargs=dict(bad=False))
     bad = tokenized.map_batches(select, batch_format="pyarrow", fn_kwargs=dict(bad=True)).materialize()

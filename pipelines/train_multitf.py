@@ -50,6 +50,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mbd import storage
 from mbd.config import ConfigError, ModelConfig, load_yaml, read_json
+from mbd.hub import resolve_model
 from mbd.multitf.batching import Batch, OnTheFlyRows, StepSampler, collate, rows_to_columns
 from mbd.multitf.objectives import compute_objective, loss_stats, stats_metrics, stats_size
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
@@ -281,13 +282,14 @@ def tokenize_corpus(path: str, model_path: str, block_size: int,
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """Resolve local paths against the driver's cwd: Ray workers start in their own working directory, and
-    Ray Train wants an absolute storage path. URIs (`scheme://`) are left as they are."""
+    Ray Train wants an absolute storage path. URIs (`scheme://`) are left as they are. The model as everywhere
+    (`mbd.hub.resolve_model`): the path as given, else under the repository root, else a Hub id's snapshot."""
     def resolve(p: str | None) -> str | None:
         return p if p is None or "://" in p else str(Path(p).resolve())
 
     out = cfg.model_copy(deep=True)
     out.run.storage_path = resolve(cfg.run.storage_path)
-    out.model_path = resolve(cfg.model_path)
+    out.model_path = str(resolve_model(cfg.model_path).resolve())
     out.data.jsonl = resolve(cfg.data.jsonl)
     out.data.parquet = resolve(cfg.data.parquet)
     return out

@@ -170,3 +170,15 @@ def test_cli_flags_override_yaml(tmp_path):
     assert (cfg.scheduler.name, cfg.scheduler.t_low, cfg.scheduler.rho) == ("d2f", 0.2, 0.3)
     with pytest.raises(ValueError, match="gmax"):
         config_from_args(["--config", str(cfg_file), "--gmax", "1"])
+
+
+def test_a_model_dir_relative_to_the_repository_works_from_any_directory(ray_cluster, tmp_path, monkeypatch):
+    """`--model-dir mbd/assets/tiny` as the docs write it, from a directory that is not the repository (where a job
+    driver and Ray's workers start): the driver and every task find the model."""
+    from mbd.tiny.task import generate, write_jsonl
+
+    write_jsonl(str(tmp_path / "in.jsonl"), generate("train", 40, seed=1))
+    monkeypatch.chdir(tmp_path)
+    s = run_expand(ExpandConfig(inputs=[str(tmp_path / "in.jsonl")], output_dir=str(tmp_path / "out"),
+                                model_dir="mbd/assets/tiny", max_length=128, gmax=2, n_rand=0))
+    assert (s.sequences_in, s.quarantined, s.rows_out) == (40, 0, 40 * s.layouts_per_sequence)

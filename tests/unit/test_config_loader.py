@@ -62,3 +62,19 @@ def test_eval_cli_flags_are_sets():
                                 "--set", "output_dir=/tmp/x"])
     cfg = load_with_flags(args)
     assert cfg.workers == 3 and cfg.output_dir == "/tmp/x" and all(b.limit == 5 for b in cfg.benchmarks)
+
+
+def test_a_config_path_relative_to_the_repository_loads_from_any_directory(tmp_path, monkeypatch):
+    """`--config configs/...` from a directory that is not the repository (a job driver's): found under the
+    repository root; a path that exists in the working directory wins; a missing one is named as given."""
+    import pytest
+
+    from mbd.config import ConfigError, read_yaml
+
+    monkeypatch.chdir(tmp_path)
+    assert read_yaml("configs/train/tiny_cpu.yaml")["model_path"] == "mbd/assets/tiny"
+    (tmp_path / "configs" / "train").mkdir(parents=True)
+    (tmp_path / "configs" / "train" / "tiny_cpu.yaml").write_text("model_path: here\n")
+    assert read_yaml("configs/train/tiny_cpu.yaml")["model_path"] == "here"
+    with pytest.raises(ConfigError, match="config file not found: configs/nope.yaml"):
+        read_yaml("configs/nope.yaml")

@@ -38,3 +38,16 @@ def test_row_matches_the_table_and_the_authors_optimiser(name):
         assert lay.scheduler.slot_ranges == [(0.001, 0.2), (0.8, 1.0)]
     else:
         assert lay.scheduler.name == "chain_uniform"
+
+
+def test_model_path_relative_to_the_repository_resolves_from_any_directory(tmp_path, monkeypatch):
+    """A train config's `model_path: mbd/assets/tiny` resolves as every model path does (the working directory,
+    then the repository root), so a job driver started elsewhere finds it; data paths stay the driver's."""
+    from mbd.config import REPO_ROOT
+    from mbd.train_config import load_train_config
+    from pipelines.train_multitf import absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    cfg = absolute_paths(load_train_config(REPO_ROOT / "configs" / "train" / "tiny_cpu.yaml"))
+    assert cfg.model_path == str((REPO_ROOT / "mbd" / "assets" / "tiny").resolve())
+    assert cfg.data.jsonl is None or cfg.data.jsonl.startswith(str(tmp_path))
