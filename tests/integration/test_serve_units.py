@@ -150,12 +150,14 @@ def test_engine_loop_death_fails_requests_and_health(ckpt, tok):
     host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
 
     async def poisoned() -> None:
-        waiting = asyncio.ensure_future(_collect(host, tok.encode("1+1="), DECODE.model_copy(
-            update={"max_new_tokens": 200, "tau_m2t": 1.0})))
-        await asyncio.sleep(0.2)
-        host._send(("add", "poison", None, DECODE, None))  # bypasses validation: the engine raises TypeError
-        with pytest.raises(EngineDead, match="TypeError"):
-            await waiting
+        # a long request (one token per forward, never stopping early) that is live in the engine
+        params = DECODE.model_copy(update={"max_new_tokens": 1000, "tau_m2t": 1.0, "ignore_eos": True})
+        async with aclosing(host.generate(tok.encode("1+1="), params)) as gen:
+            await gen.__anext__()
+            host._send(("add", "poison", None, DECODE, None))  # bypasses validation: the engine raises TypeError
+            with pytest.raises(EngineDead, match="TypeError"):
+                async for _ in gen:
+                    pass
 
     asyncio.run(poisoned())
     assert host._proc.wait(timeout=30) == 1
