@@ -4,7 +4,8 @@ test modules under their bare file names, which workers cannot import).
 `expand_batch_marking_node` is the expansion stage of `mbd expand` that also leaves a marker file naming the node
 it ran on (in `<output_dir>.nodes/`, a directory every node of a one-machine cluster sees) and takes a little
 longer, so that a node can be removed while blocks are still being expanded; `loop_marking_node` does the same
-for the training workers of `mbd train`."""
+for the training workers of `mbd train`, which also leave a marker per step they start (`steps_started`), so a test
+sees where a restarted worker group resumed even when no step was logged twice."""
 
 from __future__ import annotations
 
@@ -52,8 +53,14 @@ _batches = train_multitf.on_the_fly_batches
 _loop = train_multitf.train_loop
 
 
-def _slow_batches(*args, **kwargs):
-    for batch in _batches(*args, **kwargs):
+def _slow_batches(cfg: TrainConfig, mcfg, rows, rank: int, world: int, first_step: int, device):
+    """The trainer's micro-batches, each a little later, leaving a marker `<rank>.<step>.<pid>` in
+    `<run dir>.steps/` as each step's first micro-batch is drawn."""
+    marks = Path(cfg.run.run_dir + ".steps")
+    marks.mkdir(parents=True, exist_ok=True)
+    for i, batch in enumerate(_batches(cfg, mcfg, rows, rank, world, first_step, device)):
+        if i % cfg.deepspeed.grad_accum == 0:
+            (marks / f"{rank}.{first_step + i // cfg.deepspeed.grad_accum}.{os.getpid()}").touch()
         time.sleep(STEP_DELAY_S)
         yield batch
 
@@ -70,6 +77,16 @@ def loop_marking_node(config: dict) -> None:
     (marks / f"{rank}.{ray.get_runtime_context().get_node_id()}.{os.getpid()}").touch()
     train_multitf.on_the_fly_batches = _slow_batches
     _loop(config)
+
+
+def steps_started(run_dir: str) -> dict[int, set[int]]:
+    """Worker pid -> the steps it started (drew a batch for), from `_slow_batches`' markers."""
+    d = Path(run_dir + ".steps")
+    out: dict[int, set[int]] = {}
+    for f in d.iterdir() if d.is_dir() else []:
+        _, step, pid = f.name.split(".")
+        out.setdefault(int(pid), set()).add(int(step))
+    return out
 
 
 def worker_nodes(run_dir: str) -> list[tuple[int, str]]:
