@@ -101,7 +101,6 @@ class EngineHost:
         # both directions' socket buffers are full, the reader keeps draining)
         self._error: BaseException | None = None
         self._asks: queue.SimpleQueue[dict[str, float]] = queue.SimpleQueue()
-        self._grammar: GrammarVocab | None = None
         self.num_aborted = 0
         self.trace = Trace("decoder")
         world = spec.tensor_parallel_size

@@ -152,8 +152,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Free the request's row and pages and queue it first, keeping its Block Buffer (resident tokens, DMax's
-        merge weights and slot counts) on the host. On readmission its committed tokens are prefilled again (or found in the
-        prefix cache) and the buffer is put back as it was, so the request decodes exactly as if never
+        merge weights and slot counts) on the host. On readmission its committed tokens are prefilled again (or
+        found in the prefix cache) and the buffer is put back as it was, so the request decodes exactly as if never
         preempted (a MultiBD buffer's later blocks depend on the earlier ones' partial state)."""
         if req.decoding:
             q = req.n_res * self.block
