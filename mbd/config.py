@@ -198,12 +198,18 @@ class EngineConfig(StrictModel):
     max_batch_rows: int = Field(default=8, ge=1, le=1024, description="requests decoded together per step")
     batch_buckets: list[int] | None = Field(default=None, description=(
         "batch sizes a forward may run (each a static shape / CUDA Graph); None: powers of two up to max_batch_rows"))
-    attention: Literal["sdpa", "flex"] = Field(default="sdpa", description=(
-        "sdpa: dense bool masks over the key span; flex: FlexAttention BlockMasks that skip invisible key blocks"))
-    compile: Literal["off", "default", "max-autotune"] = Field(default="default", description=(
-        "torch.compile mode of the flex attention kernel (off: eager flex, which materialises the scores)"))
+    attention: Literal["auto", "sdpa", "flex"] = Field(default="auto", description=(
+        "sdpa: dense bool masks over a gathered key span (the eager reference); flex: FlexAttention over the KV "
+        "page pool itself, each row's pages named by a BlockMask (no gather, no span: few static shapes); "
+        "auto: flex on cuda, sdpa on cpu"))
+    compile: Literal["auto", "off", "default", "max-autotune"] = Field(default="auto", description=(
+        "torch.compile mode of the decode forward's layers (attention flex only; off: eager); auto: default on "
+        "cuda, off on cpu"))
     cuda_graphs: Literal["auto", "on", "off"] = Field(default="auto", description=(
-        "capture each decode bucket as a CUDA Graph; auto: on cuda when the model is capturable"))
+        "capture every decode shape as a CUDA Graph at start-up (attention flex only); auto: on cuda"))
+    compile_cache: str | None = Field(default=None, description=(
+        "directory for compiled kernels (inductor's and Triton's caches), reused by later starts; None: "
+        "torch's default under the system temp directory"))
     prefill_chunk: int = Field(default=512, ge=1, description="prompt tokens per prefill forward (whole blocks)")
     prefill_budget: int = Field(default=64, ge=0, description=(
         "prompt tokens a decode step may carry while rows decode (chunked prefill; whole blocks, at least one)"))
@@ -235,7 +241,20 @@ class EngineConfig(StrictModel):
                                  f"{self.max_batch_rows}] and include max_batch_rows")
         if self.device == "cpu" and self.cuda_graphs == "on":
             raise ValueError("cuda_graphs: on needs device cuda (or auto on a machine with a GPU)")
+        if self.attention == "sdpa" and (self.compile not in ("auto", "off") or self.cuda_graphs == "on"):
+            raise ValueError("compile and cuda_graphs need attention: flex (the sdpa path's key span is a shape of "
+                             "its own: a graph per span bucket); set attention: flex, or compile: off and "
+                             "cuda_graphs: off")
         return self
+
+    def decode_path(self, device) -> tuple[str, str, bool]:
+        """(attention, compile mode, CUDA Graphs) of an engine on `device` (a torch.device), "auto" resolved."""
+        cuda = device.type == "cuda"
+        attention = self.attention if self.attention != "auto" else ("flex" if cuda else "sdpa")
+        if attention == "sdpa":
+            return attention, "off", False
+        compile = self.compile if self.compile != "auto" else ("default" if cuda else "off")
+        return attention, compile, self.cuda_graphs == "on" or (self.cuda_graphs == "auto" and cuda)
 
     def torch_device(self):
         """The device a checkpoint is loaded on ("auto": cuda if available)."""

@@ -8,6 +8,7 @@ import time
 import torch
 
 from mbd.model import load_checkpoint
+from mbd.model.attention import Masked
 from mbd.model.masks import block_causal_dense
 from mbd.tokenizer import Tokenizer
 
@@ -25,10 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     pos = torch.arange(n).unsqueeze(0)
     mask = block_causal_dense(pos, n, torch.tensor([n]), cfg.block_size)
     with torch.inference_mode():
-        model(ids, pos, mask)
+        model(ids, pos, Masked(mask))
         t0 = time.perf_counter()
         for _ in range(a.repeat):
-            logits = model(ids, pos, mask)
+            logits = model(ids, pos, Masked(mask))
         dt = (time.perf_counter() - t0) / a.repeat
     params = sum(p.numel() for p in model.parameters())
     print(f"{cfg.family}: {params / 1e6:.2f}M params, {n} tokens, {dt * 1e3:.2f} ms/forward, "

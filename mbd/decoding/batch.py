@@ -58,3 +58,4 @@ class RowOutput:
     conf: list[float] | None  # [slots * B] probability each changed token was taken with, -1 where unchanged
     fix: RowFix | None = None  # a constrained row: its counts after the grammar settled it
     top: list[tuple[int, list[tuple[int, float]]]] | None = None  # (buffer position, top (id, logprob)) per logit
+    confident: list[int] | None = None  # [slots] 1 where every position was confident (DMax's early commit)

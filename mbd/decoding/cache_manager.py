@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import torch
 
 from mbd.model.cache import SCRATCH, KVCache
 
@@ -203,5 +202,4 @@ class CacheManager:
     def _upload(self, row: int) -> None:
         t, c = self.tables[row], self.cache
         self.home[row] = c.homes and all(p == c.home(row, j) for j, p in enumerate(t))
-        full = t + [SCRATCH] * (self.cache.page_table.shape[1] - len(t))
-        self.cache.page_table[row].copy_(torch.tensor(full, dtype=torch.long))
+        c.map_row(row, t)

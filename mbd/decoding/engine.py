@@ -79,7 +79,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.buf, self.policy, engine, self.max_length + self.block)
         self.kv = CacheManager(self.runner.cache, engine.prefix_caching)
         self.stats = EngineStats()
-        self.scheduler = Scheduler(self.kv, self.buf, engine.batch_buckets, engine.prefill_budget, self.stats)
+        self.scheduler = Scheduler(self.kv, self.buf, engine.batch_buckets, engine.prefill_budget, self.stats,
+                                   self.runner.full_window)
+        self.warmup_s = self.runner.warmup(self.scheduler.buckets)  # compile and capture every shape before serving
         self.limits = EngineLimits(mcfg.vocab_size, self.mask_id, self.block, self.n_buf, decode.strategy,
                                    self.max_length, self.kv.page, self.kv.capacity)
 
@@ -188,7 +190,7 @@ class Engine:
         """One request after a forward: which slots became final (emitted), commit the re-run TO_CACHE slots,
         then the policy's plan (finish, activate the next slot)."""
         B = self.block
-        filled, unchanged = self.policy.counts(out.masked_in, out.accepted, out.revised)
+        filled, unchanged = self.policy.counts(out.masked_in, out.accepted, out.revised, out.confident)
         if out.fix is not None:
             filled, unchanged = merge_counts(out.fix, filled, unchanged)
         if req.trace is not None:  # skipped DUMMY slots: all masks

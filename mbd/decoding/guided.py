@@ -81,24 +81,24 @@ class Guide:
             for t in self.vocab.stop_ids:
                 bm[i, t // 32] |= 1 << (t % 32)
 
-    def after(self, running: list[tuple[int, Request]], summary: list[list[int]], old_at: int, slots: int,
-              tokens: torch.Tensor) -> dict[int, RowFix]:
-        """Settle every constrained row. summary[row][:Q] are its tokens after the policy, [old_at:old_at + Q]
-        before it; rows it changes are written into `tokens` [b, Q] (the device tokens, before the slide)."""
+    def after(self, running: list[tuple[int, Request]], summary, slots: int, tokens: torch.Tensor) -> dict[int, RowFix]:
+        """Settle every constrained row. The step's `StepSummary` holds each row's tokens after the policy
+        ("tokens") and before it ("before"); rows it changes are rewritten there and in `tokens` [b, Q] (the device
+        tokens, before the slide)."""
         t0 = time.perf_counter()
         B, q = self.block, slots * self.block
         fixes, rows, cols, vals = {}, [], [], []
         for row, req in running:
             if req.grammar is None:
                 continue
-            toks, old = summary[row][:q], summary[row][old_at: old_at + q]
+            toks, old = summary.row(row, "tokens"), summary.row(row, "before")
             base = req.committed
             limit = min(req.n_res * B, req.params.gen_end - base)
             st = settle(req.grammar, toks, req.frontier - base, limit, self.mask_id)
             req.frontier = base + st.frontier
             for i in (i for i in range(q) if st.tokens[i] != toks[i]):
                 rows.append(row), cols.append(i), vals.append(st.tokens[i])
-            summary[row][:q] = st.tokens
+            summary.set_row(row, "tokens", st.tokens)
             fixes[row] = RowFix(st.tokens, *self._recount(old, st.tokens, slots))
         if rows:
             dev = tokens.device

@@ -20,6 +20,7 @@ from mbd.config import DecodeConfig
 from mbd.decoding.policy import ACTIVE, TO_CACHE, Sampler, policy_for
 from mbd.decoding.state import RequestParams
 from mbd.model import KVCache
+from mbd.model.attention import Cached, Masked
 from mbd.model.masks import block_causal_dense
 
 
@@ -72,12 +73,12 @@ class Reference:
             mask = block_causal_dense(pos, full.shape[1], torch.tensor([full.shape[1]], device=self.device), self.block)
             if conf is not None:
                 conf = torch.cat([torch.ones(1, L, device=self.device), conf], 1)
-            return self.model(full, pos, mask, token_conf=conf)[:, L:]
+            return self.model(full, pos, Masked(mask), token_conf=conf)[:, L:]
         if ids is None:  # prefill: `committed` is the input
             ids, L = torch.tensor(committed, device=self.device)[None], 0
         pos = torch.arange(L, L + ids.shape[1], device=self.device)[None]
         mask = block_causal_dense(pos, cache.size, torch.tensor([L + ids.shape[1]], device=self.device), self.block)
-        return self.model(ids, pos, mask, cache=cache, token_conf=conf)
+        return self.model(ids, pos, Cached(cache, mask, pos), token_conf=conf)
 
     def update(self, p: RequestParams, logits, tokens, n_tc: int, first_pos: int, prompt_len: int, gen):
         """One policy update of a running-set of n = tokens.shape[1] / B blocks (the first n_tc TO_CACHE).
@@ -90,8 +91,8 @@ class Reference:
         samplers = [Sampler(0, p.temperature, gen, p.top_p, p.top_k)] if gen is not None else []
         dec = self.policy.update(logits, tokens, state, torch.tensor([[[p.tau_m2t]]], device=dev),
                                  torch.tensor([[self.policy.semi_max_masked(p.tau_semi)]], device=dev), fixed, t2t, samplers)
-        filled, unchanged = self.policy.counts(dec.masked_in[0].tolist(), dec.accepted[0].tolist(),
-                                               None if dec.revised is None else dec.revised[0].tolist())
+        row = [None if x is None else x[0].tolist() for x in (dec.revised, dec.confident)]
+        filled, unchanged = self.policy.counts(dec.masked_in[0].tolist(), dec.accepted[0].tolist(), *row)
         post_tc = self.policy.final_count(p, n_tc, n, filled, unchanged)
         if self.policy.token_merge:  # a token M2T filled now enters the next forward soft (DMax)
             self.merge = torch.where((tokens == self.mask_id) & (dec.tokens != self.mask_id), dec.conf.float(), 1.0)

@@ -52,6 +52,7 @@ class Decision:
     accepted: torch.Tensor  # [R, S] masked positions filled by M2T
     revised: torch.Tensor | None  # [R, S] positions replaced by T2T (None: T2T off in the whole batch)
     conf: torch.Tensor | None = None  # [R, Q] probability of each position's prediction (see `predict`)
+    confident: torch.Tensor | None = None  # [R, S] 1 where every position was confident (DMax's early commit)
 
 
 class Kept(NamedTuple):
@@ -165,7 +166,8 @@ class Policy:
             conf[s.row] = p.gather(1, x)[:, 0]
         return conf, x0
 
-    def counts(self, masked_in: list[int], accepted: list[int], revised: list[int] | None) -> tuple[list[int], list[Kept]]:
+    def counts(self, masked_in: list[int], accepted: list[int], revised: list[int] | None,
+               confident: list[int] | None = None) -> tuple[list[int], list[Kept]]:
         """Per slot: filled = non-mask tokens after the update; unchanged = the tokens filled before the
         update that it left alone, out of those (M2T only fills masks, T2T only replaces filled tokens)."""
         B = self.block
@@ -220,8 +222,7 @@ class DMaxPolicy(Policy):
       (>= DMAX_CONFIDENT; positions filled before the step count as confident, as DMax's fast path does),
       so a block whose masks were all filled confidently commits in the same step.
 
-    The engine carries per-slot counts as integers; the all-confident flag travels packed into the revised
-    count (revised + (B + 1) * confident), unpacked by `counts`.
+    The all-confident flag is one more per-slot count (`Decision.confident`), read by `counts`.
 
     Token merge (`token_merge`): a token M2T filled in a step enters the next forward as the confidence-weighted
     mix of its embedding and the mask embedding (`mbd.model.base.merge_embeddings`, weight = the confidence it was
@@ -251,16 +252,16 @@ class DMaxPolicy(Policy):
         if fixed is not None:
             revise &= ~fixed
         new = torch.where(revise, x0, new)
-        confident = torch.where(masked, c, 1.0).ge(self.DMAX_CONFIDENT).all(-1)
-        revised = revise.view(R, S, B).sum(-1) + (B + 1) * confident
-        return Decision(new, masked.sum(-1), accept.sum(-1), revised, conf)
+        confident = torch.where(masked, c, 1.0).ge(self.DMAX_CONFIDENT).all(-1).long()
+        return Decision(new, masked.sum(-1), accept.sum(-1), revise.view(R, S, B).sum(-1), conf, confident)
 
-    def counts(self, masked_in: list[int], accepted: list[int], revised: list[int] | None) -> tuple[list[int], list[Kept]]:
-        if revised is None:
-            raise ValueError("strategy dmax needs its revised counts (tau_t2t set)")
+    def counts(self, masked_in: list[int], accepted: list[int], revised: list[int] | None,
+               confident: list[int] | None = None) -> tuple[list[int], list[Kept]]:
+        if revised is None or confident is None:
+            raise ValueError("strategy dmax needs its revised counts and confidence flags (tau_t2t set)")
         B = self.block
         filled = [B - m + a for m, a in zip(masked_in, accepted)]
-        return filled, [Kept(B - m - v % (B + 1), B - m, v // (B + 1) == 1) for m, v in zip(masked_in, revised)]
+        return filled, [Kept(B - m - v, B - m, c == 1) for m, v, c in zip(masked_in, revised, confident)]
 
     def final_count(self, p: RequestParams, n_tc: int, n_res: int, filled: list[int], unchanged: list[Kept]) -> int:
         k = n_tc

@@ -58,6 +58,7 @@ class KVCache:
         # the rows a forward reads map only home pages, `read` is a strided view instead of a gather
         self.homes = self.num_pages >= 1 + rows * self.pages_per_row
         self.row0, self.at_home = 0, False
+        self.table_version = 0  # page table changes so far (`map_row`)
         if self.homes:  # [layers, rows, kvh, pages_per_row * page_size, d]: every row's home pages, in place
             self.home_k, self.home_v = (
                 x[:, :, 1: 1 + rows * self.pages_per_row].unflatten(2, (rows, -1)).flatten(3, 4).transpose(1, 2)
@@ -134,5 +135,9 @@ class KVCache:
         """Extend the committed prefix of `rows` by n tokens (their K/V are already in place)."""
         self.lengths[rows] += n
 
-    def reset(self, rows: torch.Tensor | int) -> None:
-        self.lengths[rows] = 0
+    def map_row(self, row: int, pages: list[int]) -> None:
+        """Row `row`'s logical pages 0, 1, ... live in physical `pages`; the rest of its table is scratch. Counted
+        in `table_version`, so that what is derived from the table (a paged BlockMask) knows to follow."""
+        full = pages + [SCRATCH] * (self.page_table.shape[1] - len(pages))
+        self.page_table[row].copy_(torch.tensor(full, dtype=torch.long))
+        self.table_version += 1

@@ -80,28 +80,23 @@ def load_checkpoint(path: str | Path, tp: TPGroup = SINGLE, dtype: torch.dtype =
     with torch.device("meta"):
         model = FAMILIES[cfg.family](cfg, tp)
     modules = dict(model.named_modules())
-    state = {}
     expected = dict(model.state_dict(keep_vars=True))
-    tied = cfg.tie_word_embeddings
-    missing = []
-    handles: dict[Path, object] = {}
+    embedding = next(k for k in expected if k.endswith(("embed_tokens.weight", "word_embeddings.weight")))
+    state, missing, handles = {}, [], {}
     for name, ref in expected.items():
-        src = name
-        if src not in files and tied and name == "lm_head.weight":
-            src = next(k for k in expected if k.endswith("embed_tokens.weight") or k.endswith("word_embeddings.weight"))
-        if src not in files:
+        owner = modules[name.rpartition(".")[0]]
+        src = _sources(owner, name, files)
+        if src is None and cfg.tie_word_embeddings and name == "lm_head.weight":
+            src = _sources(owner, embedding, files)
+        if src is None:
             missing.append(name)
             continue
-        orig, f = files[src]
-        if f not in handles:
-            handles[f] = safe_open(str(f), framework="pt")
-        full = handles[f].get_tensor(orig)
-        owner = modules[name.rpartition(".")[0]]
-        t = owner.shard_(name, full) if hasattr(owner, "shard_") and owner.tp.world > 1 else full
+        parts = [_shard(owner, name, _tensor(handles, f, orig), tp) for orig, f in src]
+        t = torch.stack(parts) if hasattr(owner, "checkpoint_names") else parts[0]
         if tuple(t.shape) != tuple(ref.shape):
             raise CheckpointError(
-                f"{d}: tensor '{orig}' has shape {tuple(full.shape)}, the config implies "
-                f"{tuple(ref.shape)} per rank (tp={tp.world}); is config.json the one saved with these weights?"
+                f"{d}: tensor '{src[0][0]}' gives shape {tuple(t.shape)} per rank, the config implies "
+                f"{tuple(ref.shape)} (tp={tp.world}); is config.json the one saved with these weights?"
             )
         state[name] = t.to(dtype)
     if missing:
@@ -111,13 +106,45 @@ def load_checkpoint(path: str | Path, tp: TPGroup = SINGLE, dtype: torch.dtype =
     return model.to(device).eval(), cfg
 
 
+def _sources(owner: nn.Module, name: str, files: dict[str, tuple[str, Path]]) -> list[tuple[str, Path]] | None:
+    """The checkpoint tensors (name in the file, file) that parameter `name` is read from: itself, or for a
+    parameter stacked over experts (its module has `checkpoint_names`) every expert's tensor; None if missing."""
+    if not hasattr(owner, "checkpoint_names"):
+        return [files[name]] if name in files else None
+    prefix, _, leaf = name.rpartition(".")
+    parts = [f"{prefix}.{n}" for n in owner.checkpoint_names(leaf)]
+    return [files[p] for p in parts] if all(p in files for p in parts) else None
+
+
+def _tensor(handles: dict[Path, object], f: Path, name: str) -> torch.Tensor:
+    if f not in handles:
+        handles[f] = safe_open(str(f), framework="pt")
+    return handles[f].get_tensor(name)
+
+
+def _shard(owner: nn.Module, name: str, full: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's part of a full checkpoint tensor (the owning layer knows how it is cut)."""
+    return owner.shard_(name, full) if hasattr(owner, "shard_") and tp.world > 1 else full
+
+
+def _checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under their checkpoint names (expert-stacked parameters split per expert)."""
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    for prefix, m in model.named_modules():
+        if hasattr(m, "checkpoint_names"):
+            for leaf, _ in m.named_parameters(recurse=False):
+                stacked = state.pop(f"{prefix}.{leaf}")
+                state.update({f"{prefix}.{n}": t.clone() for n, t in zip(m.checkpoint_names(leaf), stacked)})
+    return state
+
+
 def save_checkpoint(model: nn.Module, cfg: ModelConfig, path: str | Path, shard_bytes: int | None = None) -> Path:
     """Write config.json + model.safetensors (or shards + index when `shard_bytes` is set). TP=1 models only."""
     if getattr(model, "tp", SINGLE).world != 1:
         raise ValueError("save_checkpoint needs the unsharded model (tensor_parallel_size=1)")
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    state = _checkpoint_state(model)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     (d / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))

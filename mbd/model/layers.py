@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mbd.model.masks import FlexMask
 from mbd.model.tp import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup
 
 
@@ -43,33 +42,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
-    """Scaled dot-product attention [b,h,n,d] x [b,kvh,s,d] under a dense bool mask (SDPA, the reference),
-    a `FlexMask` (the decoder's: its kernel's compile mode chosen by the engine config) or a bare FlexAttention
-    BlockMask (training: compiled on GPU)."""
+    """Scaled dot-product attention [b,h,n,d] x [b,kvh,s,d] under a dense bool mask (SDPA, the reference) or a
+    FlexAttention BlockMask (training's dual-stream mask: compiled on GPU, eager on CPU)."""
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    if isinstance(mask, FlexMask):
-        return flex_kernel(mask.compile)(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
     return flex_kernel("default" if q.is_cuda else "off")(q, k, v, block_mask=mask, enable_gqa=gqa)
-
-
-FLEX_SHAPES = 4096  # compiled decode shapes (batch bucket x slots x key span) a process may hold
 
 
 @functools.cache
 def flex_kernel(compile: str):
-    """flex_attention, eager ("off": it materialises the scores) or compiled into a fused kernel with that
-    torch.compile mode, one per process and mode. Shapes are static, so each (batch bucket, slots, key span)
-    compiles once; Dynamo's default limit of 8 compilations per function would otherwise silently send every
-    later shape back to eager, so the limits are raised to what the buckets can produce."""
+    """flex_attention, eager ("off": it materialises the scores) or compiled into a fused kernel, one per mode."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if compile == "off":
         return flex_attention
-    cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, FLEX_SHAPES)
-    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, FLEX_SHAPES)
     return torch.compile(flex_attention, dynamic=False, mode=None if compile == "default" else compile)
 
 

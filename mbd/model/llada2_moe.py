@@ -2,16 +2,18 @@
 sigmoid group-limited top-k routing with an expert bias, shared experts, first_k_dense_replace dense layers.
 
 Attribute names equal the tensor names of LLaDA2's HuggingFace checkpoints (`model.word_embeddings`,
-`model.layers.N.attention.query_key_value`, `mlp.experts.E.gate_proj`, `mlp.gate.expert_bias`, ...).
+`model.layers.N.attention.query_key_value`, `mlp.gate.expert_bias`, ...), except the routed experts, which are
+stacked (`mlp.experts.gate_proj` [E, ...]) and read from / written to HF's `mlp.experts.E.gate_proj.weight`.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mbd.config import ModelConfig
-from mbd.model.base import CausalLMBase, self_attention
+from mbd.model.base import CausalLMBase
 from mbd.model.layers import RMSNorm, SwiGLU, apply_rope
 from mbd.model.tp import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelHead
 
@@ -29,14 +31,14 @@ class LLaDA2Attention(nn.Module):
         self.key_layernorm = RMSNorm(hd, cfg.rms_norm_eps)
         self.dense = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size, False, tp)
 
-    def forward(self, x, cos, sin, mask, cache, layer, kv_at):
+    def forward(self, x, cos, sin, attend):
         b, n, _ = x.shape
         qkv = self.query_key_value(x).view(b, n, self.n_heads + 2 * self.n_kv, self.hd)
         q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
         q = self.query_layernorm(q).transpose(1, 2)
         k = self.key_layernorm(k).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.dense(self_attention(q, k, v.transpose(1, 2), mask, cache, layer, kv_at))
+        return self.dense(attend(q, k, v.transpose(1, 2)))
 
 
 class LLaDA2Gate(nn.Module):
@@ -66,6 +68,63 @@ class LLaDA2Gate(nn.Module):
         return idx, w * c.routed_scaling_factor
 
 
+class LLaDA2Experts(nn.Module):
+    """The routed experts' SwiGLU weights stacked over experts (each [E, out, in], HF's per-expert layout) so that
+    one grouped GEMM per projection runs every expert on its tokens, with static shapes and no host
+    synchronisation (CUDA Graph capturable, `fullgraph` compilable). Checkpoints keep HF's per-expert tensors
+    (`experts.{e}.gate_proj.weight`, ...): `checkpoint_names` says which, `shard_` cuts one under TP (gate/up
+    column-parallel, down row-parallel along the expert's hidden dim)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.tp, self.num_experts = tp, cfg.num_experts
+        d, ff = cfg.hidden_size, tp.split(cfg.moe_intermediate_size, "moe_intermediate_size")
+        self.gate_proj = nn.Parameter(torch.empty(cfg.num_experts, ff, d))
+        self.up_proj = nn.Parameter(torch.empty(cfg.num_experts, ff, d))
+        self.down_proj = nn.Parameter(torch.empty(cfg.num_experts, d, ff))
+        for p in self.parameters():
+            nn.init.normal_(p, std=0.02)
+
+    def checkpoint_names(self, leaf: str) -> list[str]:
+        """The checkpoint tensors (relative to this module) whose stack is parameter `leaf`."""
+        return [f"{e}.{leaf}.weight" for e in range(self.num_experts)]
+
+    def shard_(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of one expert's full tensor of parameter `name`."""
+        return full.chunk(self.tp.world, dim=1 if name.endswith("down_proj") else 0)[self.tp.rank]
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [t, d]; idx, w [t, k]: each token's chosen experts and their weights -> sum_k w * expert(x), [t, d]
+        (this rank's partial sum under TP)."""
+        if x.dtype == torch.bfloat16:
+            return self._grouped(x, idx, w)
+        return self._dense(x, idx, w)
+
+    def _grouped(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Token copies sorted by expert, one grouped GEMM per projection (each expert's weights read once), the
+        weighted results added back per token. torch._grouped_mm takes bfloat16 only."""
+        k = idx.shape[1]
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        tok = order // k
+        ones = torch.ones_like(flat, dtype=torch.int32)
+        ends = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(0, flat, ones)
+        ends = ends.cumsum(0, dtype=torch.int32)
+        xs = x[tok]
+        gate = torch._grouped_mm(xs, self.gate_proj.transpose(1, 2), offs=ends)
+        up = torch._grouped_mm(xs, self.up_proj.transpose(1, 2), offs=ends)
+        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        y = y * w.flatten()[order].unsqueeze(-1).to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, tok, y)
+
+    def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, weighted by the routing (0 for experts not chosen): the same sum, with
+        E / k times the FLOPs; for float32 (tests, CPU references), which grouped GEMMs do not take."""
+        route = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device).scatter(1, idx, w.to(x.dtype))
+        h = F.silu(torch.einsum("td,efd->tef", x, self.gate_proj)) * torch.einsum("td,efd->tef", x, self.up_proj)
+        return torch.einsum("tef,edf,te->td", h, self.down_proj, route)
+
+
 class LLaDA2SparseMoE(nn.Module):
     """Routed experts + shared experts; under TP every expert is split along its hidden dim and the
     partial sums of all experts are reduced once."""
@@ -74,22 +133,14 @@ class LLaDA2SparseMoE(nn.Module):
         super().__init__()
         self.tp = tp
         self.gate = LLaDA2Gate(cfg)
-        self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size, tp, reduce=False)
-                                     for _ in range(cfg.num_experts))
+        self.experts = LLaDA2Experts(cfg, tp)
         self.shared_experts = (SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts, tp, reduce=False)
                                if cfg.num_shared_experts else None)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shape = h.shape
         x = h.reshape(-1, shape[-1])
-        idx, w = self.gate(x)
-        y = torch.zeros_like(x)
-        # Loop over experts, not tokens: each expert runs once on the tokens routed to it. In training every
-        # expert runs even on zero tokens, so that all data-parallel ranks produce the same gradient buckets.
-        for e, expert in enumerate(self.experts):
-            tok, slot = (idx == e).nonzero(as_tuple=True)
-            if tok.numel() or self.training:
-                y.index_add_(0, tok, expert(x[tok]) * w[tok, slot].unsqueeze(-1).to(x.dtype))
+        y = self.experts(x, *self.gate(x))
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return self.tp.all_reduce(y).view(shape)
@@ -104,8 +155,8 @@ class LLaDA2DecoderLayer(nn.Module):
         dense = cfg.num_experts == 0 or layer < cfg.first_k_dense_replace
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, tp) if dense else LLaDA2SparseMoE(cfg, tp)
 
-    def forward(self, h, cos, sin, mask, cache, layer, kv_at):
-        h = h + self.attention(self.input_layernorm(h), cos, sin, mask, cache, layer, kv_at)
+    def forward(self, h, cos, sin, attend):
+        h = h + self.attention(self.input_layernorm(h), cos, sin, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -3,24 +3,13 @@
 A query at absolute position p may see a key at position s iff s lies in the visible region of its
 row (s < visible[b]) and block(s) <= block(p); every token also sees itself so that no softmax row is
 empty (an empty row would turn into NaN and NaN * 0 still poisons other rows).
-The dense boolean form is the reference (SDPA); `decode_block_mask` builds the same rule as a FlexAttention
-BlockMask from per-row key-block counts, never materialising an L x L tensor.
+The dense boolean form is the reference (SDPA); `PagedDecodeMask` states the same rule as a FlexAttention
+BlockMask over the KV page pool itself, never materialising an L x L tensor or gathering a row's keys.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-
-
-@dataclass(frozen=True)
-class FlexMask:
-    """A FlexAttention BlockMask and the torch.compile mode its kernel runs under ("off": eager flex, the
-    reference; "default" / "max-autotune": one fused kernel per shape)."""
-
-    block_mask: object
-    compile: str = "default"
 
 
 def block_causal_dense(q_pos: torch.Tensor, kv_len: int, visible: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -31,32 +20,77 @@ def block_causal_dense(q_pos: torch.Tensor, kv_len: int, visible: torch.Tensor, 
     return (m | (kv == q)).unsqueeze(1)
 
 
-def decode_block_mask(q_pos: torch.Tensor, committed: torch.Tensor, visible: torch.Tensor, kv_len: int,
-                      block_size: int, kv_block: int = 128):
-    """FlexAttention BlockMask equal to `block_causal_dense(q_pos, kv_len, visible, block_size)` for decode
-    queries at committed[b] + arange(n) (a Block Buffer after a block-aligned committed prefix), built from
-    per-row key-block counts with static shapes (CUDA Graph capturable, no `create_block_mask` pass): key
-    blocks wholly inside the committed prefix are full (every query sees them), the blocks up to
-    max(visible, committed + n) are evaluated by the mask_mod, and key blocks past that are skipped - they
-    hold no visible key and no query's own position."""
-    from torch.nn.attention.flex_attention import BlockMask
+class PagedDecodeMask:
+    """`block_causal_dense` for Block Buffer queries, as FlexAttention BlockMasks over the whole KV page pool.
 
-    b, n = q_pos.shape
-    nk, nq = -(-kv_len // kv_block), -(-n // kv_block)
-    end = torch.maximum(visible, committed + n)
-    n_full = committed // kv_block
-    n_part = torch.clamp(-(-end // kv_block), max=nk) - n_full
-    idx = torch.arange(nk, device=q_pos.device, dtype=torch.int32)
-    full_idx = idx.expand(b, 1, nq, nk)
-    part_idx = torch.clamp(n_full.view(b, 1, 1, 1).to(torch.int32) + idx, max=nk - 1)
+    Keys are the pool itself ([1, kvh, num_pages * page, d] per layer), one KV block per page, so a row reads its
+    pages where they lie: its BlockMask row lists the physical pages of its table, those wholly inside the committed
+    prefix as full blocks (every query sees them, no mask_mod) and the pages from there to the end of its visible
+    region (or its own last position) as partial ones. The mask_mod is the whole truth on its own (eager flex
+    evaluates it everywhere): it maps a physical key to the row's logical position through `logical`, the inverse
+    of the row's page table (-1 where the row has not mapped the page, the scratch page always), and applies
+    the block-causal rule. A free row maps nothing and sees nothing (flex gives such a row zeros, not NaN).
 
-    def mask_mod(bi, h, qi, ki):
-        p = q_pos[bi, qi]
-        return ((ki < visible[bi]) & (ki // block_size <= p // block_size)) | (ki == p)
+    Every tensor is allocated once for all rows and rewritten in place by `update` (from the committed lengths,
+    the slot states and the page table), so the masks of every (batch rows, slots) shape are views that a
+    compiled forward and a CUDA Graph read at fixed addresses: the key span is no shape at all.
+    """
 
-    def counts(x: torch.Tensor) -> torch.Tensor:
-        return x.to(torch.int32).view(b, 1, 1).expand(b, 1, nq).contiguous()
+    def __init__(self, rows: int, n_buf: int, block: int, page: int, num_pages: int, table_width: int,
+                 device: torch.device):
+        self.block, self.page, self.num_pages, self.width = block, page, num_pages, table_width
+        self.q_max = n_buf * block
+        i32 = dict(dtype=torch.int32, device=device)
+        self.q_pos = torch.zeros(rows, self.q_max, dtype=torch.long, device=device)
+        self.visible = torch.zeros(rows, dtype=torch.long, device=device)
+        self.logical = torch.full((rows, num_pages), -1, **i32)
+        # flex wants one index column per KV block of the keys (every page of the pool); only the first counts matter
+        self.full_n, self.part_n = torch.zeros(rows, 1, 1, **i32), torch.zeros(rows, 1, 1, **i32)
+        self.full_idx, self.part_idx = torch.zeros(rows, 1, 1, num_pages, **i32), torch.zeros(rows, 1, 1, num_pages, **i32)
+        self._columns = torch.arange(table_width, device=device)
+        self._masks: dict[tuple[int, int], object] = {}
 
-    return BlockMask.from_kv_blocks(counts(n_part), part_idx.expand(b, 1, nq, nk).contiguous(), counts(n_full),
-                                    full_idx.contiguous(), BLOCK_SIZE=kv_block, mask_mod=mask_mod,
-                                    seq_lengths=(n, kv_len), compute_q_blocks=False)
+    def update(self, lengths: torch.Tensor, resident: torch.Tensor, page_table: torch.Tensor) -> None:
+        """Rewrite every row's tensors from its committed length, resident slot count and page table (all
+        rows of the engine, on the device)."""
+        B, P, W = self.block, self.page, self.width
+        self.q_pos.copy_(lengths[:, None] + torch.arange(self.q_max, device=lengths.device))
+        self.visible.copy_(lengths + resident * B)
+        self.logical.fill_(-1)
+        self.logical.scatter_(1, page_table, self._columns.to(torch.int32).expand_as(page_table).contiguous())
+        self.logical[:, 0] = -1  # the scratch page (mbd.model.cache.SCRATCH) holds nobody's keys
+        end = torch.maximum(self.visible, lengths + self.q_max)
+        n_full = lengths // P
+        self.full_n.view(-1).copy_(n_full)
+        self.part_n.view(-1).copy_(torch.clamp(-(-end // P), max=W) - n_full)
+        self.full_idx[..., :W].view(-1, W).copy_(page_table)
+        shifted = torch.clamp(n_full[:, None] + self._columns, max=W - 1)
+        self.part_idx[..., :W].view(-1, W).copy_(page_table.gather(1, shifted))
+
+    @staticmethod
+    def q_block(q: int) -> int:
+        """The BlockMask's query block for a buffer of q positions: one block per row (>= q), a power of two of at
+        least 16 so that GPU kernels' query tiles divide it."""
+        return max(16, 1 << (q - 1).bit_length())
+
+    def block_mask(self, rows: int, slots: int):
+        """The BlockMask of a forward over rows [0, rows) x `slots` slots (views of the shared tensors)."""
+        key = (rows, slots)
+        if key not in self._masks:
+            self._masks[key] = self._build(rows, slots * self.block)
+        return self._masks[key]
+
+    def _build(self, rows: int, q: int):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        B, P, logical, q_pos, visible = self.block, self.page, self.logical, self.q_pos, self.visible
+
+        def mask_mod(b, h, qi, ki):
+            lp = logical[b, ki // P]
+            k = lp * P + ki % P
+            p = q_pos[b, qi]
+            return (lp >= 0) & (((k < visible[b]) & (k // B <= p // B)) | (k == p))
+
+        return BlockMask.from_kv_blocks(self.part_n[:rows], self.part_idx[:rows], self.full_n[:rows],
+                                        self.full_idx[:rows], BLOCK_SIZE=(self.q_block(q), P), mask_mod=mask_mod,
+                                        seq_lengths=(q, self.num_pages * P), compute_q_blocks=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from mbd.config import ModelConfig
-from mbd.model.base import CausalLMBase, self_attention
+from mbd.model.base import CausalLMBase
 from mbd.model.layers import RMSNorm, SwiGLU, apply_rope
 from mbd.model.tp import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelHead
 
@@ -28,13 +28,13 @@ class SDARAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache, layer, kv_at):
+    def forward(self, x, cos, sin, attend):
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.n_heads, self.hd)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv, self.hd)).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.n_kv, self.hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(self_attention(q, k, v, mask, cache, layer, kv_at))
+        return self.o_proj(attend(q, k, v))
 
 
 class SDARDecoderLayer(nn.Module):
@@ -45,8 +45,8 @@ class SDARDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, tp)
 
-    def forward(self, h, cos, sin, mask, cache, layer, kv_at):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, layer, kv_at)
+    def forward(self, h, cos, sin, attend):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from mbd.config import StrictModel
+from mbd.model.attention import Masked
 from mbd.multitf.batching import KINDS, Batch
 
 Forward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
@@ -123,7 +124,7 @@ def compute_objective(forward: Forward, batch: Batch, cfg: ObjectiveSection, mas
     """Run the model on the batch and evaluate the configured objective on the noisy half. `global_sum` /
     `world`: the data-parallel reduction, used only by the self-normalised SDAR loss."""
     n = batch.noisy_ids.shape[1]
-    logits = forward(batch.input_ids, batch.position_ids, batch.mask)[:, :n]
+    logits = forward(batch.input_ids, batch.position_ids, Masked(batch.mask))[:, :n]
     masked = masked_positions(batch.noisy_ids, mask_token_id)
     ce = token_ce(logits.detach(), batch.clean_ids)
     if cfg.name == "sdar_weighted_ce":
@@ -139,7 +140,7 @@ def compute_objective(forward: Forward, batch: Batch, cfg: ObjectiveSection, mas
     targets = batch.targets
     loss = row_mean_ce(logits, batch.clean_ids, targets)
     denoised = batch.with_noisy(oput_self_denoise_ids(batch.noisy_ids, logits, mask_token_id))
-    logits_sd = forward(denoised.input_ids, denoised.position_ids, denoised.mask)[:, :n]
+    logits_sd = forward(denoised.input_ids, denoised.position_ids, Masked(denoised.mask))[:, :n]
     loss_sd = row_mean_ce(logits_sd, batch.clean_ids, targets)
     parts = {"loss_standard": float(loss.detach()), "loss_self_denoise": float(loss_sd.detach())}
     return ObjectiveOutput(loss + cfg.oput_weight * loss_sd, ce, masked, parts)

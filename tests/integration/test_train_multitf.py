@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mbd.model import load_checkpoint
+from mbd.model.attention import Masked
 from mbd.multitf.objectives import compute_objective
 from mbd.multitf.rows import LayoutSection, sequence_rows
 from mbd.tiny.vocab import special_token_ids
@@ -39,7 +40,7 @@ def test_zero_run_matches_single_process_and_exports(ray_cluster, tiny, stage):
     exported, _ = load_checkpoint(summary.export_dir)
     batch, mcfg = probe_batch(cfg)
     with torch.no_grad():
-        ref_logits = ref_model(batch.input_ids, batch.position_ids, batch.mask)
+        ref_logits = ref_model(batch.input_ids, batch.position_ids, Masked(batch.mask))
         exp_logits = exported(batch.input_ids, batch.position_ids, batch.mask)
         exp_probe = compute_objective(exported, batch, cfg.objective, mcfg.mask_token_id).loss.item()
     torch.testing.assert_close(exp_logits, ref_logits, atol=1e-4, rtol=1e-4)

@@ -14,8 +14,9 @@ from mbd.decoding import Engine, EngineConfig, NaiveMultiBD, SingleBD
 from mbd.decoding.runner import span_bucket
 from mbd.decoding.trace import summarize
 from mbd.model import KVCache, build_model
+from mbd.model.attention import Cached
 from mbd.model.layers import attend
-from mbd.model.masks import block_causal_dense, decode_block_mask
+from mbd.model.masks import PagedDecodeMask, block_causal_dense
 from tests.conftest import tiny_cfg
 
 
@@ -195,7 +196,7 @@ def test_committed_kv_equals_full_forward(family):
     ref = KVCache(cfg, 1, n, dtype=torch.float64, page_size=cache.page_size)
     pos = torch.arange(n)[None]
     with torch.no_grad():
-        model(torch.tensor([seq[:n]]), pos, block_causal_dense(pos, n, torch.tensor([n]), 4), cache=ref)
+        model(torch.tensor([seq[:n]]), pos, Cached(ref, block_causal_dense(pos, n, torch.tensor([n]), 4), pos))
     for got, want in ((cache.k, ref.k), (cache.v, ref.v)):  # [layers, kvh, pages, page, d] -> positions
         torch.testing.assert_close(got[:, :, pages].flatten(2, 3), want[:, :, 1:1 + len(pages)].flatten(2, 3),
                                    atol=1e-10, rtol=1e-10)
@@ -210,11 +211,11 @@ def test_cuda_graph_replay_equals_eager():
         model.lm_head.weight.mul_(10)
     model = model.cuda()
     dc = dcfg(tau_m2t=0.1)
-    graph = Engine(model, None, dc, EngineConfig(max_batch_rows=4, cuda_graphs="on"))
-    eager = Engine(model, None, dc, EngineConfig(max_batch_rows=4, cuda_graphs="off"))
-    flex = Engine(model, None, dc, EngineConfig(max_batch_rows=4, cuda_graphs="on", attention="flex"))
-    a, b, c = graph.generate(PROMPTS), eager.generate(PROMPTS), flex.generate(PROMPTS)
-    assert graph.runner._graphs and flex.runner._graphs, "no graph was captured"
+    graph = Engine(model, None, dc, EngineConfig(max_batch_rows=4, attention="flex", compile="off", cuda_graphs="on"))
+    eager = Engine(model, None, dc, EngineConfig(max_batch_rows=4, attention="sdpa"))
+    compiled = Engine(model, None, dc, EngineConfig(max_batch_rows=4, attention="flex", cuda_graphs="on"))
+    a, b, c = graph.generate(PROMPTS), eager.generate(PROMPTS), compiled.generate(PROMPTS)
+    assert graph.runner._graphs and compiled.runner._graphs, "no graph was captured"
     assert [r.token_ids for r in a] == [r.token_ids for r in b] == [r.token_ids for r in c]
     assert [r.nfe for r in a] == [r.nfe for r in b] == [r.nfe for r in c]
 
@@ -267,42 +268,57 @@ def test_span_forward_equals_full_cache_forward():
         engine.step()
     runner = engine.runner
     runner.sync(engine.scheduler.decode_batch().layout)  # the device state the next forward would see
+    n_buf, size, longest = engine.n_buf, runner.cache.size, int(runner.cache.lengths.max())
     with torch.inference_mode():
-        n_buf = engine.n_buf
         # a window of all n_buf slots starts at slot 0: logits of every position
-        short = runner.forward(2, n_buf, runner.span(int(runner.cache.lengths.max()), n_buf), n_buf)[0].clone()
-        full = runner.forward(2, n_buf, runner.cache.size, n_buf)[0].clone()
-        first = runner.forward(2, 1, runner.span(int(runner.cache.lengths.max()), 1), 1)[0]
-    assert runner.span(int(runner.cache.lengths.max()), n_buf) < runner.cache.size
+        short = runner.forward(2, n_buf, n_buf, longest)[0].clone()
+        full = runner._dense_step(2, n_buf, n_buf, size, False)[0].clone()
+        first = runner.forward(2, 1, 1, longest)[0]
+    assert span_bucket(longest + n_buf * 4, size) < size
     torch.testing.assert_close(short, full, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(first, full[:, :4], atol=1e-10, rtol=1e-10)  # a slot's logits ignore later slots
 
 
-def test_decode_block_mask_skips_only_invisible_key_blocks():
-    """The BlockMask's block structure is right by construction: full blocks are wholly visible to every
-    query, no visible key (or own position) lies in a skipped block, and attention equals the dense mask."""
-    B, kb, n = 4, 128, 12
-    committed = torch.tensor([0, 128, 300, 1020, 1536])
-    visible = committed + torch.tensor([4, 12, 8, 0, 4])
-    pos = committed[:, None] + torch.arange(n)
-    span = 1664
-    bm = decode_block_mask(pos, committed, visible, span, B, kb)
-    dense = block_causal_dense(pos, span, visible, B)[:, 0]
-    for r in range(len(committed)):
+def test_paged_mask_reads_each_rows_pages_where_they_lie():
+    """The paged BlockMask over the whole pool, for rows with scattered and shared pages, partial prefixes,
+    DUMMY slots and a free row: its blocks are right by construction (full pages wholly visible to every query,
+    no visible key in a skipped page), and attention over the pool equals the dense mask over each row's keys
+    gathered in logical order."""
+    B, P, n_buf, num_pages, width = 4, 8, 3, 12, 6
+    tables = [[3, 7, 1], [3, 9], [10, 2, 5, 4], []]  # row 1 shares row 0's first page (a cached prefix)
+    lengths = torch.tensor([12, 8, 16, 0])  # committed: mid-page, page-aligned, two pages, a free row
+    resident = torch.tensor([2, 3, 1, 0])
+    page_table = torch.zeros(4, width, dtype=torch.long)
+    for r, t in enumerate(tables):
+        page_table[r, :len(t)] = torch.tensor(t, dtype=torch.long)
+    m = PagedDecodeMask(4, n_buf, B, P, num_pages, width, torch.device("cpu"))
+    m.update(lengths, resident, page_table)
+    Q = n_buf * B
+    bm = m.block_mask(4, n_buf)
+    q_pos = lengths[:, None] + torch.arange(Q)
+    visible = lengths + resident * B
+    k, v = torch.randn(2, 1, 2, num_pages * P, 8, dtype=torch.float64)
+    q = torch.randn(4, 4, Q, 8, dtype=torch.float64)
+    got = attend(q, k, v, bm)
+    for r, t in enumerate(tables):
         n_full, n_part = int(bm.full_kv_num_blocks[r, 0, 0]), int(bm.kv_num_blocks[r, 0, 0])
-        full = bm.full_kv_indices[r, 0, 0, :n_full].tolist()
-        part = bm.kv_indices[r, 0, 0, :n_part].tolist()
-        assert not set(full) & set(part)
-        for j in range(-(-span // kb)):
-            keys = dense[r, :, j * kb:(j + 1) * kb]
-            if j in full:
+        full, part = bm.full_kv_indices[r, 0, 0, :n_full].tolist(), bm.kv_indices[r, 0, 0, :n_part].tolist()
+        assert full == t[: int(lengths[r]) // P] and not set(full) & set(part)
+        span = width * P
+        dense = block_causal_dense(q_pos[r:r + 1], span, visible[r:r + 1], B)[0, 0]  # [Q, logical keys]
+        dense &= torch.arange(span) < len(t) * P  # unmapped logical pages hold nobody's keys
+        for j, page in enumerate(t):
+            keys = dense[:, j * P:(j + 1) * P]
+            if page in full:
                 assert keys.all()
-            elif j not in part:
+            elif page not in part:
                 assert not keys.any(), (r, j)
-        assert n_full + n_part < -(-span // kb) or r == len(committed) - 1  # something is skipped
-    q = torch.randn(len(committed), 4, n, 8, dtype=torch.float64)
-    k, v = torch.randn(2, len(committed), 2, span, 8, dtype=torch.float64)
-    torch.testing.assert_close(attend(q, k, v, bm), attend(q, k, v, dense[:, None]), atol=1e-12, rtol=1e-12)
+        if not t:
+            assert not got[r].any()  # a free row sees nothing and gets zeros, not NaN
+            continue
+        logical = torch.cat([torch.arange(p * P, (p + 1) * P) for p in t])
+        ref = attend(q[r:r + 1], k[:, :, logical], v[:, :, logical], dense[None, None, :, :len(t) * P])
+        torch.testing.assert_close(got[r:r + 1], ref, atol=1e-12, rtol=1e-12)
 
 
 def test_flex_engine_equals_sdpa_engine():
@@ -370,7 +386,7 @@ def test_chunked_prefill_never_stalls_decoding(family, first_budget, join_step, 
     engine = Engine(model, None, dc, EngineConfig(max_batch_rows=3, prefill_budget=18))  # 16: whole blocks
     chunk_sizes: list[int] = []
     fused = engine.runner._fused
-    engine.runner._fused = lambda key, chunks: (chunk_sizes.append(sum(len(c.ids) for c in chunks)), fused(key, chunks))[1]
+    engine.runner._fused = lambda *a: (chunk_sizes.append(sum(len(c.ids) for c in a[3])), fused(*a))[1]
     rows = []
     activate = engine.scheduler.activate
     engine.scheduler.activate = lambda req: (rows.append(req.row), activate(req))[1]

@@ -39,7 +39,7 @@ class ScriptedModel(nn.Module):
         self.mask_logit = mask_logit
         self.calls = 0
 
-    def forward(self, input_ids, position_ids, mask, cache=None, logits_at=None, token_conf=None):
+    def forward(self, input_ids, position_ids, attn, logits_at=None, token_conf=None):
         self.calls += 1
         pos = position_ids.clamp(max=len(self.tok) - 1)
         if logits_at is not None:  # the engine asks only for the positions it reads

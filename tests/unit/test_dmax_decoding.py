@@ -46,7 +46,8 @@ def test_dmax_step_matches_the_written_rules(tokens, confs, fixed):
     d = pol.update(logits_for(preds, confs), torch.tensor([tokens]), torch.tensor([[ACTIVE]]),
                    torch.tensor([[[0.5]]]), torch.tensor([[-1]]), fixed_t, torch.tensor([[0.0]]))
     assert d.tokens.tolist() == [want]
-    filled, kept = pol.counts(d.masked_in[0].tolist(), d.accepted[0].tolist(), d.revised[0].tolist())
+    filled, kept = pol.counts(d.masked_in[0].tolist(), d.accepted[0].tolist(), d.revised[0].tolist(),
+                              d.confident[0].tolist())
     changed = sum(a != b for a, b in zip(tokens, want) if a != MASK)
     prefilled = sum(t != MASK for t in tokens)
     assert filled == [sum(t != MASK for t in want)] and kept == [Kept(prefilled - changed, prefilled, confident)]

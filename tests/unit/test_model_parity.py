@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mbd.model import load_checkpoint
+from mbd.model.attention import Masked
 from mbd.model.masks import block_causal_dense
 
 transformers = pytest.importorskip("transformers")
@@ -35,7 +36,7 @@ def test_sdar_equals_qwen3(tmp_path, tied):
     pos = torch.arange(17).expand(2, -1)
     with torch.no_grad():
         want = ref(input_ids=ids).logits
-        got = model(ids, pos, block_causal_dense(pos, 17, torch.full((2,), 17), block_size=1))
+        got = model(ids, pos, Masked(block_causal_dense(pos, 17, torch.full((2,), 17), block_size=1)))
     diff = (want - got).abs().max().item()
     print(f"max abs logit diff vs Qwen3ForCausalLM: {diff:.2e}")
     assert diff < 1e-4, diff

@@ -16,6 +16,7 @@ from mbd.multitf.objectives import (compute_objective, loss_stats, multitf_ce, o
                                     sdar_weighted_ce, stats_metrics, stats_size)
 from mbd.multitf.schedulers import SchedulerConfig, build_scheduler
 from mbd.multitf.rows import LayoutSection, TokenizedSequence, tf_row
+from mbd.model.attention import Masked
 from mbd.multitf.objectives import ObjectiveSection
 from mbd.train_config import DeepSpeedSection, load_train_config
 from tests.conftest import tiny_cfg
@@ -178,7 +179,7 @@ def test_sdar_self_normalized_is_the_authors_ratio():
     out = compute_objective(lambda i, p, m: model(i, p, m), batch, obj, 63)
     L = batch.noisy_ids.shape[1]
     with torch.no_grad():
-        logits = model(batch.input_ids, batch.position_ids, batch.mask)[:, :L]
+        logits = model(batch.input_ids, batch.position_ids, Masked(batch.mask))[:, :L]
     num = den = 0.0
     for i in range(batch.rows):
         for p in range(L):
@@ -199,14 +200,14 @@ def test_compute_objective_matches_the_definitions(name):
     batch = collate(rows_to_columns(rows_for()), block_size=4, pad_token_id=61)
     calls = []
 
-    def forward(ids, pos, mask):
+    def forward(ids, pos, attn):
         calls.append(ids.clone())
-        return model(ids, pos, mask)
+        return model(ids, pos, attn)
 
     obj = ObjectiveSection(name=name, oput_weight=0.5)
     out = compute_objective(forward, batch, obj, cfg.mask_token_id)
     L = batch.noisy_ids.shape[1]
-    logits = model(batch.input_ids, batch.position_ids, batch.mask)[:, :L]
+    logits = model(batch.input_ids, batch.position_ids, Masked(batch.mask))[:, :L]
     std = multitf_ce(logits, batch.clean_ids, batch.noisy_ids, 63)
     if name == "multitf_ce":
         expected = std
@@ -220,7 +221,7 @@ def test_compute_objective_matches_the_definitions(name):
         assert torch.equal(calls[1][:, L:], batch.clean_ids)
         sd_ids = oput_self_denoise_ids(batch.noisy_ids, logits, 63)
         assert torch.equal(second, sd_ids)
-        sd_logits = model(batch.with_noisy(sd_ids).input_ids, batch.position_ids, batch.mask)[:, :L]
+        sd_logits = model(batch.with_noisy(sd_ids).input_ids, batch.position_ids, Masked(batch.mask))[:, :L]
         expected = oput_reference(logits, batch, rows_for()) + 0.5 * oput_reference(sd_logits, batch, rows_for())
     assert out.loss.item() == pytest.approx(expected.item(), rel=1e-5)
     out.loss.backward()  # gradients flow (through both OPUT branches' forwards with grad)
@@ -233,8 +234,8 @@ def test_flex_block_mask_gives_the_dense_logits():
     dense = collate(cols, block_size=4, pad_token_id=61)
     flex = collate(cols, block_size=4, pad_token_id=61, attention="flex")
     with torch.no_grad():  # FlexAttention has no backward on CPU: training uses it on GPU only
-        a = model(dense.input_ids, dense.position_ids, dense.mask)
-        b = model(flex.input_ids, flex.position_ids, flex.mask)
+        a = model(dense.input_ids, dense.position_ids, Masked(dense.mask))
+        b = model(flex.input_ids, flex.position_ids, Masked(flex.mask))
     real = (torch.arange(20) < dense.total_len.unsqueeze(1)).repeat(1, 2)
     torch.testing.assert_close(a[real], b[real], atol=1e-4, rtol=1e-4)
 

@@ -38,8 +38,8 @@ class Recorder(nn.Module):
         super().__init__()
         self.inner, self.cfg, self.calls = model, model.cfg, []
 
-    def forward(self, input_ids, position_ids, mask, cache=None, logits_at=None, token_conf=None):
-        out = self.inner(input_ids, position_ids, mask, cache=cache, logits_at=logits_at, token_conf=token_conf)
+    def forward(self, input_ids, position_ids, attn, logits_at=None, token_conf=None):
+        out = self.inner(input_ids, position_ids, attn, logits_at=logits_at, token_conf=token_conf)
         if logits_at is not None and token_conf is not None:  # a decode forward (prefill has no logits)
             self.calls.append((position_ids[0].tolist(), input_ids[0].tolist(), token_conf[0].tolist(), out[0]))
         return out

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mbd.model import KVCache, TPGroup, load_checkpoint, save_checkpoint, build_model
+from mbd.model.attention import Cached, Masked
 from mbd.model.masks import block_causal_dense
 from tests.conftest import tiny_cfg
 
@@ -22,12 +23,12 @@ def _port() -> int:
 def _forward(model, cfg, ids):
     B = cfg.block_size
     pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-    full = model(ids, pos, block_causal_dense(pos, ids.shape[1], torch.full((ids.shape[0],), ids.shape[1]), B))
+    full = model(ids, pos, Masked(block_causal_dense(pos, ids.shape[1], torch.full((ids.shape[0],), ids.shape[1]), B)))
     cache = KVCache(cfg, ids.shape[0], ids.shape[1], tp=model.tp)
     parts = []
     for j in range(0, ids.shape[1], B):
         p = pos[:, j:j + B]
-        parts.append(model(ids[:, j:j + B], p, block_causal_dense(p, cache.size, cache.lengths + B, B), cache=cache))
+        parts.append(model(ids[:, j:j + B], p, Cached(cache, block_causal_dense(p, cache.size, cache.lengths + B, B), p)))
         cache.commit(torch.arange(ids.shape[0]), B)
     return full, torch.cat(parts, 1)
 

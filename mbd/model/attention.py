@@ -1,0 +1,121 @@
+"""How one forward's attention reads and writes keys: an object per forward that hands each layer its kernel.
+
+A layer computes q, k, v and calls `attend(q, k, v)`; where those keys come from is the forward's business, and
+each way the model runs is one class here:
+- `Masked`: no cache (training, the no-cache reference): the input attends to itself under a mask.
+- `Cached`: a `KVCache` view: the tokens' K/V are written at their cache addresses, then keys [0, span) of each
+  row are read back (gathered through the page table, or viewed in place at home) under a dense or flex mask.
+  Prefill and the dense (sdpa) decode step.
+- `Paged`: the decode step's FlexAttention path: K/V are written into the page pool and attention runs over the
+  pool itself, the BlockMask naming each row's pages (`masks.PagedDecodeMask`): no gather and no key span, so a
+  step's shapes depend only on (batch rows, slots). This is the forward the engine compiles and captures.
+- `Segmented`: several groups of rows in one flat input (a decode step carrying prompt chunks).
+
+`layer(i)` returns layer i's `attend`. The objects a `Paged` forward hands out hold tensors and ints only (the
+layer's pool pages, the addresses, the mask), never the layer index, so one compiled layer serves every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mbd.model.cache import KVCache
+from mbd.model.layers import attend as attend_masked
+from mbd.model.layers import flex_kernel
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q [b,h,n,d], k/v [b,kvh,n,d] -> [b,n,h*d]
+
+
+def _merge_heads(o: torch.Tensor) -> torch.Tensor:
+    return o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
+
+
+@dataclass(frozen=True)
+class Masked:
+    """Attention over the input itself (no cache) under `mask` (dense bool, FlexMask or BlockMask)."""
+
+    mask: object
+    compile: str = "off"  # no cache: never the compiled decode forward
+
+    def layer(self, i: int) -> Attend:
+        return self
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _merge_heads(attend_masked(q, k, v, self.mask))
+
+
+class Cached:
+    """Tokens at `pos` [b, n] of the rows of `cache` (a view): K/V written at their addresses, keys [0, span) read
+    back under `mask`. `compile`: the torch.compile mode the forward's layers run under ("off": eager)."""
+
+    def __init__(self, cache: KVCache, mask: object, pos: torch.Tensor, compile: str = "off"):
+        self.cache, self.mask, self.compile = cache, mask, compile
+        self.kv_at = cache.address(pos)  # the same for every layer
+
+    def layer(self, i: int) -> Attend:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.cache.write(i, k, v, self.kv_at)
+            keys, values = self.cache.read(i)
+            return _merge_heads(attend_masked(q, keys, values, self.mask))
+        return attend
+
+
+@dataclass(frozen=True)
+class PagedLayer:
+    """One layer's view of a `Paged` forward: its K/V pool pages [kvh, pages, page, d], the tokens' pool
+    addresses and the BlockMask over the pool."""
+
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    kv_at: torch.Tensor
+    block_mask: object
+    compile: str  # the flex kernel's mode: "off" is eager flex (it materialises scores over the whole pool)
+    kernel_options: dict | None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kvh, d = k.shape[1], k.shape[3]
+        keys, values = self.k_pool.view(1, kvh, -1, d), self.v_pool.view(1, kvh, -1, d)
+        keys[0].index_copy_(1, self.kv_at, k.transpose(0, 1).flatten(1, 2))
+        values[0].index_copy_(1, self.kv_at, v.transpose(0, 1).flatten(1, 2))
+        o = flex_kernel(self.compile)(q, keys, values, block_mask=self.block_mask, enable_gqa=q.shape[1] != kvh,
+                                      kernel_options=self.kernel_options)
+        return _merge_heads(o)
+
+
+class Paged:
+    """A decode forward over the whole page pool of `cache`: tokens at `pos` [b, n] are written at their pool
+    addresses and attend through `block_mask` (a `PagedDecodeMask` BlockMask over rows [0, b))."""
+
+    def __init__(self, cache: KVCache, pos: torch.Tensor, block_mask: object, compile: str = "off",
+                 kernel_options: dict | None = None):
+        self.cache, self.block_mask, self.compile, self.kernel_options = cache, block_mask, compile, kernel_options
+        self.kv_at = cache.address(pos)
+
+    def layer(self, i: int) -> PagedLayer:
+        return PagedLayer(self.cache.k[i], self.cache.v[i], self.kv_at, self.block_mask, self.compile,
+                          self.kernel_options)
+
+
+@dataclass(frozen=True)
+class Segmented:
+    """Several groups of rows in one flat input [1, sum(rows * width)]: each part (a `Cached` of `rows` x `width`
+    tokens) attends against its own cache. The linear layers run once over all tokens, attention per part."""
+
+    parts: tuple[tuple[int, int, Cached], ...]  # (rows, width, attention) in input order
+    compile: str = "off"
+
+    def layer(self, i: int) -> Attend:
+        kernels = [(rows, width, part.layer(i)) for rows, width, part in self.parts]
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            outs, o = [], 0
+            for rows, width, kernel in kernels:
+                n = rows * width
+                q_s, k_s, v_s = (x[0, :, o:o + n].unflatten(1, (rows, width)).transpose(0, 1) for x in (q, k, v))
+                outs.append(kernel(q_s, k_s, v_s).reshape(1, n, -1))
+                o += n
+            return torch.cat(outs, 1)
+        return attend
