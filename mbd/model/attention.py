@@ -35,10 +35,10 @@ def _merge_heads(o: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Masked:
-    """Attention over the input itself (no cache) under `mask` (dense bool, FlexMask or BlockMask)."""
+    """Attention over the input itself (no cache) under `mask` (a dense bool mask or a FlexAttention BlockMask)."""
 
     mask: object
-    compile: str = "off"  # no cache: never the compiled decode forward
+    compile = "off"  # the layers run eagerly (only the paged decode forward is compiled)
 
     def layer(self, i: int) -> Attend:
         return self
@@ -49,10 +49,12 @@ class Masked:
 
 class Cached:
     """Tokens at `pos` [b, n] of the rows of `cache` (a view): K/V written at their addresses, keys [0, span) read
-    back under `mask`. `compile`: the torch.compile mode the forward's layers run under ("off": eager)."""
+    back under `mask`."""
 
-    def __init__(self, cache: KVCache, mask: object, pos: torch.Tensor, compile: str = "off"):
-        self.cache, self.mask, self.compile = cache, mask, compile
+    compile = "off"
+
+    def __init__(self, cache: KVCache, mask: object, pos: torch.Tensor):
+        self.cache, self.mask = cache, mask
         self.kv_at = cache.address(pos)  # the same for every layer
 
     def layer(self, i: int) -> Attend:
@@ -72,7 +74,7 @@ class PagedLayer:
     v_pool: torch.Tensor
     kv_at: torch.Tensor
     block_mask: object
-    compile: str  # the flex kernel's mode: "off" is eager flex (it materialises scores over the whole pool)
+    kernel: Callable  # flex_attention, compiled or (eager, the reference) materialising scores over the pool
     kernel_options: dict | None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -80,32 +82,34 @@ class PagedLayer:
         keys, values = self.k_pool.view(1, kvh, -1, d), self.v_pool.view(1, kvh, -1, d)
         keys[0].index_copy_(1, self.kv_at, k.transpose(0, 1).flatten(1, 2))
         values[0].index_copy_(1, self.kv_at, v.transpose(0, 1).flatten(1, 2))
-        o = flex_kernel(self.compile)(q, keys, values, block_mask=self.block_mask, enable_gqa=q.shape[1] != kvh,
-                                      kernel_options=self.kernel_options)
+        o = self.kernel(q, keys, values, block_mask=self.block_mask, enable_gqa=q.shape[1] != kvh,
+                        kernel_options=self.kernel_options)
         return _merge_heads(o)
 
 
 class Paged:
     """A decode forward over the whole page pool of `cache`: tokens at `pos` [b, n] are written at their pool
-    addresses and attend through `block_mask` (a `PagedDecodeMask` BlockMask over rows [0, b))."""
+    addresses and attend through `block_mask` (a `PagedDecodeMask` BlockMask over rows [0, b)). `compile`: the
+    torch.compile mode of the layers and the flex kernel ("off": both eager, the reference)."""
 
     def __init__(self, cache: KVCache, pos: torch.Tensor, block_mask: object, compile: str = "off",
                  kernel_options: dict | None = None):
         self.cache, self.block_mask, self.compile, self.kernel_options = cache, block_mask, compile, kernel_options
+        self.kernel = flex_kernel(compile)
         self.kv_at = cache.address(pos)
 
     def layer(self, i: int) -> PagedLayer:
-        return PagedLayer(self.cache.k[i], self.cache.v[i], self.kv_at, self.block_mask, self.compile,
+        return PagedLayer(self.cache.k[i], self.cache.v[i], self.kv_at, self.block_mask, self.kernel,
                           self.kernel_options)
 
 
 @dataclass(frozen=True)
 class Segmented:
-    """Several groups of rows in one flat input [1, sum(rows * width)]: each part (a `Cached` of `rows` x `width`
-    tokens) attends against its own cache. The linear layers run once over all tokens, attention per part."""
+    """Several groups of rows in one flat input [1, sum(rows * width)]: each part (`rows` x `width` tokens, a
+    `Cached` or an eager `Paged`) attends against its own cache. The linear layers run once over all tokens, attention per part."""
 
-    parts: tuple[tuple[int, int, Cached], ...]  # (rows, width, attention) in input order
-    compile: str = "off"
+    parts: tuple[tuple[int, int, "Cached | Paged"], ...]  # (rows, width, attention) in input order
+    compile = "off"
 
     def layer(self, i: int) -> Attend:
         kernels = [(rows, width, part.layer(i)) for rows, width, part in self.parts]

@@ -44,9 +44,11 @@ class PagedDecodeMask:
         self.q_pos = torch.zeros(rows, self.q_max, dtype=torch.long, device=device)
         self.visible = torch.zeros(rows, dtype=torch.long, device=device)
         self.logical = torch.full((rows, num_pages), -1, **i32)
-        # flex wants one index column per KV block of the keys (every page of the pool); only the first counts matter
+        # flex wants an index column per KV block of the keys (every page of the pool), the table a column per logical
+        # page; only the first counts of a row's columns are read
+        cols = max(num_pages, table_width)
         self.full_n, self.part_n = torch.zeros(rows, 1, 1, **i32), torch.zeros(rows, 1, 1, **i32)
-        self.full_idx, self.part_idx = torch.zeros(rows, 1, 1, num_pages, **i32), torch.zeros(rows, 1, 1, num_pages, **i32)
+        self.full_idx, self.part_idx = torch.zeros(rows, 1, 1, cols, **i32), torch.zeros(rows, 1, 1, cols, **i32)
         self._columns = torch.arange(table_width, device=device)
         self._masks: dict[tuple[int, int], object] = {}
 
@@ -63,9 +65,9 @@ class PagedDecodeMask:
         n_full = lengths // P
         self.full_n.view(-1).copy_(n_full)
         self.part_n.view(-1).copy_(torch.clamp(-(-end // P), max=W) - n_full)
-        self.full_idx[..., :W].view(-1, W).copy_(page_table)
+        self.full_idx[:, 0, 0, :W].copy_(page_table)
         shifted = torch.clamp(n_full[:, None] + self._columns, max=W - 1)
-        self.part_idx[..., :W].view(-1, W).copy_(page_table.gather(1, shifted))
+        self.part_idx[:, 0, 0, :W].copy_(page_table.gather(1, shifted))
 
     @staticmethod
     def q_block(q: int) -> int:
