@@ -44,7 +44,6 @@ class Item:
     name: str
     bytes: int
     note: str = ""
-    grows: bool = False  # allocated lazily over a run (graph pools): warned about, not refused
 
 
 @dataclass
@@ -56,15 +55,10 @@ class Plan:
     items: list[Item] = field(default_factory=list)
     facts: dict[str, str] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)  # why it does not fit; empty: it fits
-    warnings: list[str] = field(default_factory=list)  # what may run out later
 
     @property
     def total(self) -> int:
-        """What the first step needs (lazily growing items excluded)."""
-        return sum(i.bytes for i in self.items if not i.grows)
-
-    @property
-    def worst(self) -> int:
+        """What serving needs from its first step on (every CUDA Graph is captured at start-up)."""
         return sum(i.bytes for i in self.items)
 
     def item(self, name: str) -> int:
@@ -77,12 +71,9 @@ class Plan:
     def check_total(self) -> None:
         usable = f"the {self.device.name} has {gib(self.device.usable)} usable"
         if self.total > self.device.usable:
-            big = max((i for i in self.items if not i.grows), key=lambda i: i.bytes)
+            big = max(self.items, key=lambda i: i.bytes)
             self.reasons.append(f"needs {gib(self.total)} per rank, {usable} ({gib(self.device.total)} less "
                                 f"{gib(self.device.reserved)} reserved); the largest part is {big.name} ({gib(big.bytes)})")
-        elif self.worst > self.device.usable:
-            grown = ", ".join(i.name for i in self.items if i.grows)
-            self.warnings.append(f"fits at start, but {grown} may reach {gib(self.worst)} in all, {usable}")
 
 
 class PlanError(ConfigError):
@@ -135,8 +126,8 @@ class ServeShape:
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float | None = None
     page_size: int | None = None
-    attention: str = "sdpa"
-    cuda_graphs: bool | None = None  # None: on with CUDA (for a capturable model)
+    attention: str = "sdpa"  # "flex": the paged kernel reads the pool in place (no gathered span)
+    cuda_graphs: bool = False
     batch_buckets: tuple[int, ...] | None = None
     prefill_chunk: int = 512
 
@@ -150,22 +141,18 @@ def buckets_for(rows: int) -> tuple[int, ...]:
     return (*out, rows)
 
 
-def _span_buckets(size: int) -> list[int]:
-    from mbd.decoding.runner import span_bucket
-
-    return sorted({span_bucket(n, size) for n in range(1, size + 1)})
-
-
 def layer_activation(cfg: ModelConfig, tp: int, e: int, rows: int, width: int, span: int, attention: str) -> int:
     """Peak transient bytes inside one decoder layer for `rows` x `width` query tokens over `span` keys: hidden
-    states, q/k/v, the gathered K/V of the span, and either attention's intermediates or the MLP's. SDPA with a
+    states, q/k/v, the gathered K/V of the span (sdpa; flex reads the pool in place), and either attention's
+    intermediates or the MLP's. SDPA with a
     boolean mask and grouped K/V has no fused CUDA kernel (flash takes no mask, the others no GQA): the math kernel
     runs, in fp32, with K/V expanded to every head, the scores, their softmax and the mask as additive floats."""
     t, d, hd = rows * width, cfg.hidden_size, cfg.head_dim
     h, kv = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
     hidden = t * (3 * d + h * hd) * e
-    attn = 2 * t * (h + 2 * kv) * hd * e + 2 * rows * kv * span * hd * e
-    if attention == "sdpa":  # the math kernel keeps its intermediates in fp32 (torch's SDPA documentation)
+    attn = 2 * t * (h + 2 * kv) * hd * e
+    if attention == "sdpa":  # the gathered span; the math kernel keeps its intermediates in fp32 (torch's docs)
+        attn += 2 * rows * kv * span * hd * e
         attn += 2 * rows * h * span * hd * FP32 + rows * h * width * span * 2 * FP32 + rows * width * span * FP32
     if cfg.num_experts:
         k, ff = cfg.num_experts_per_tok, cfg.moe_intermediate_size // tp
@@ -233,36 +220,33 @@ def serve_plan(cfg: ModelConfig, decode: DecodeConfig, shape: ServeShape, device
                             f"{pool['per_row']} (raise the KV budget or lower decode.max_length)")
     size, att = pool["size"], shape.attention
     n_buf, chunk = decode.buffer_size, min(shape.prefill_chunk, size)
-    act = max(decode_activation(cfg, shape.tp, e, rows, n_buf, size, n_buf, att),
-              layer_activation(cfg, shape.tp, e, 1, chunk, size, "sdpa") + chunk * size)
-    plan.items.append(Item("activations", act, f"largest of a full-batch step ({att}) and a {chunk}-token "
-                                               f"prefill chunk (dense mask) at span {size:,}"))
-    plan.items.append(_graph_item(cfg, shape, decode, size, pages >= 1 + rows * pool["per_row"], e))
+    prefill = layer_activation(cfg, shape.tp, e, 1, chunk, size, "sdpa") + chunk * size
+    if shape.cuda_graphs:  # decode steps run inside the graphs' pool (below)
+        plan.items.append(Item("activations", prefill, f"a {chunk}-token prefill chunk (dense mask) at span "
+                                                       f"{size:,}, eager"))
+    else:
+        act = max(decode_activation(cfg, shape.tp, e, rows, n_buf, size, n_buf, att), prefill)
+        plan.items.append(Item("activations", act, f"largest of a full-batch step ({att}) and a {chunk}-token "
+                                                   f"prefill chunk (dense mask) at span {size:,}"))
+    plan.items.append(_graph_item(cfg, shape, decode, e))
     plan.check_total()
     return plan
 
 
-def _graph_item(cfg: ModelConfig, shape: ServeShape, decode: DecodeConfig, size: int, homes: bool, e: int) -> Item:
-    """The runner captures every bucket (batch, slots, span, active, home) into one shared pool and writes every
-    graph's logits into one buffer: the largest forward's peak, that buffer and each bucket's small window output,
-    once a long-running server has captured them all."""
-    graphs = shape.cuda if shape.cuda_graphs is None else shape.cuda_graphs
-    if not graphs:
+def _graph_item(cfg: ModelConfig, shape: ServeShape, decode: DecodeConfig, e: int) -> Item:
+    """The runner captures every decode shape (`decode_shapes`: batch bucket, slots, logits window) at start-up
+    into one shared pool and writes every graph's logits into one buffer: the largest forward's peak, that buffer
+    and each graph's small window output."""
+    from mbd.decoding.runner import decode_shapes
+
+    if not shape.cuda_graphs:
         return Item("CUDA-Graph pools", 0, "off (no CUDA Graphs)")
-    if cfg.num_experts:
-        return Item("CUDA-Graph pools", 0, "off: MoE routing is not capturable, the engine runs eagerly")
-    n_buf, peaks, outputs = decode.buffer_size, [], 0
-    for b in shape.batch_buckets or buckets_for(shape.max_batch_rows):
-        for slots in range(1, n_buf + 1):
-            for active in range(1, slots + 1):
-                for span in _span_buckets(size):
-                    peaks.append(decode_activation(cfg, shape.tp, e, b, slots, span, active, shape.attention))
-                    outputs += b * active * cfg.block_size * 8  # the static window (int64 positions)
-    copies = 2 if homes else 1  # a bucket is captured once reading home pages in place, once gathering
-    count = len(peaks) * copies
-    logits = shape.max_batch_rows * n_buf * cfg.block_size * cfg.vocab_size * e
-    return Item("CUDA-Graph pools", max(peaks) + logits + outputs * copies, f"{count} buckets in one shared pool: "
-                "the largest forward + one logits buffer + every bucket's window (all captured)", grows=True)
+    shapes = decode_shapes(shape.batch_buckets or buckets_for(shape.max_batch_rows), decode.buffer_size)
+    peak = max(decode_activation(cfg, shape.tp, e, b, s, 0, a, "flex") for b, s, a in shapes)
+    outputs = sum(b * a * cfg.block_size * 8 for b, _, a in shapes)  # each graph's static window (int64 positions)
+    logits = shape.max_batch_rows * decode.buffer_size * cfg.block_size * cfg.vocab_size * e
+    return Item("CUDA-Graph pools", peak + logits + outputs, f"{len(shapes)} graphs in one shared pool, captured "
+                "at start-up: the largest forward + one logits buffer + every graph's window")
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -342,14 +326,12 @@ def train_plan(cfg: ModelConfig, shape: TrainShape, device: DeviceMemory) -> Pla
 
 def render(plans: list[Plan], labels: list[str] | None = None, notes_of: int = 0) -> str:
     """A table: one column per plan, one row per item, then the derived facts and the verdict; below, what each
-    item of plan `notes_of` counts, and every plan's reasons and warnings."""
+    item of plan `notes_of` counts, and every plan's reasons."""
     labels = labels or [p.title for p in plans]
     names = list(dict.fromkeys(i.name for p in plans for i in p.items))
     facts = list(dict.fromkeys(k for p in plans for k in p.facts))
     rows = [[n] + [gib(next((i.bytes for i in p.items if i.name == n), 0)) for p in plans] for n in names]
     rows.append(["total at start"] + [gib(p.total) for p in plans])
-    if any(p.worst > p.total for p in plans):
-        rows.append(["total, all graphs captured"] + [gib(p.worst) for p in plans])
     rows.append(["usable"] + [gib(p.device.usable) for p in plans])
     rows += [[k] + [p.facts.get(k, "-") for p in plans] for k in facts]
     rows.append(["fits"] + ["yes" if p.fits else "NO" for p in plans])
@@ -365,7 +347,6 @@ def render(plans: list[Plan], labels: list[str] | None = None, notes_of: int = 0
     out += [f"  {i.name}: {i.note}" for i in plans[notes_of].items if i.note]
     for label, p in zip(labels, plans):
         out += [f"  {label}: DOES NOT FIT: {r}" for r in p.reasons]
-        out += [f"  {label}: warning: {w}" for w in p.warnings]
     return "\n".join(out)
 
 

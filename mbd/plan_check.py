@@ -50,12 +50,12 @@ def serve_shape(engine: EngineConfig, tp: int) -> ServeShape:
     """The memory-relevant settings of an engine config at tensor-parallel size `tp`."""
     cuda = engine.device == "cuda" or (engine.device == "auto" and torch.cuda.is_available())
     dtype = (torch.bfloat16 if cuda else torch.float32) if engine.dtype == "auto" else parse_dtype(engine.dtype)
+    attention, compile, graphs = engine.decode_path(torch.device("cuda" if cuda else "cpu"))
     # eager flex materialises the scores as the math kernel does
-    attention = "sdpa" if engine.attention == "flex" and engine.compile == "off" else engine.attention
+    attention = "sdpa" if attention == "flex" and compile == "off" else attention
     return ServeShape(tp=tp, dtype=dtype, cuda=cuda, max_batch_rows=engine.max_batch_rows,
                       kv_cache_bytes=engine.kv_cache_bytes, kv_cache_fraction=engine.kv_cache_fraction,
-                      page_size=engine.page_size, attention=attention,
-                      cuda_graphs={"auto": None, "on": True, "off": False}[engine.cuda_graphs],
+                      page_size=engine.page_size, attention=attention, cuda_graphs=graphs,
                       batch_buckets=tuple(engine.batch_buckets) if engine.batch_buckets else None,
                       prefill_chunk=engine.prefill_chunk)
 

@@ -66,6 +66,7 @@ def test_sets_reach_the_engine_section(tmp_path):
     (dict(max_batch_rows=4, batch_buckets=[4, 8]), r"lie in \[1, max_batch_rows=4\]"),
     (dict(kv_cache_bytes=1 << 20, kv_cache_fraction=0.5), "not both"),
     (dict(device="cpu", cuda_graphs="on"), "cuda_graphs: on needs device cuda"),
+    (dict(attention="sdpa", compile="default"), "need attention: flex"),
     (dict(compile="fast"), "field 'compile'"),
     (dict(max_batch_slots=4), "field 'max_batch_slots'.*Extra inputs"),
 ])
@@ -133,3 +134,25 @@ def test_compiled_flex_refuses_float64_weights():
     with pytest.raises(ConfigError, match="float64"):
         Engine(model, None, DecodeConfig(), EngineConfig(attention="flex", compile="default"))
     Engine(model, None, DecodeConfig(), EngineConfig(attention="flex", compile="off"))
+
+
+@pytest.mark.parametrize("name, graphs", [("sdar-8b-tp2", 48), ("llada2-mini-tp2", 24)])
+def test_paper_serve_configs_capture_few_graphs(name, graphs):
+    """A graph is keyed by (batch bucket, slots, logits window of all slots or none): no key span, no home flag,
+    so SDAR-8B's serve config (6 buckets, N_buf 4) captures 48 graphs and compiles 24 layer shapes, LLaDA2-Mini's
+    (N_buf 2) 24 and 12 (for each of its two layer kinds); the memory plan counts the same graphs, all captured
+    at start-up."""
+    from mbd.decoding.runner import decode_shapes
+    from mbd.decoding.scheduler import power_of_two_buckets
+    from mbd.plan import H100_80GB, serve_plan
+    from mbd.plan_check import model_config, serve_shape
+
+    serve = load_serve_config(CONFIGS / "serve" / f"{name}.yaml")
+    engine, decode = serve.engine, serve.decode
+    shapes = decode_shapes(engine.batch_buckets or power_of_two_buckets(engine.max_batch_rows), decode.buffer_size)
+    assert len(shapes) == graphs <= 64 and len({(b, s) for b, s, _ in shapes}) == graphs // 2
+    assert engine.decode_path(torch.device("cuda")) == ("flex", "default", True)
+    mcfg, _ = model_config(serve.model.path)
+    plan = serve_plan(mcfg, decode, serve_shape(engine, serve.model.tensor_parallel_size), H100_80GB)
+    note = next(i.note for i in plan.items if i.name == "CUDA-Graph pools")
+    assert note.startswith(f"{graphs} graphs") and plan.fits
