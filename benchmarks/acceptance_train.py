@@ -10,16 +10,27 @@ Ray Serve application over HTTP.
 from __future__ import annotations
 
 import os
+import socket
+import statistics
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from benchmarks.hf_baseline import random_sdar
+from benchmarks.step_floor import matmul_rate, sync
 from mbd.plan import TrainShape, zero_states
 
 TINY = "mbd/assets/tiny"
 SERVE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve" / "tiny.yaml"
+
+
+def free_port() -> int:
+    """A free local port (without importing Ray: only the served-request row may)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def training_sequences(vocab: int, n: int, length: int, block: int, seed: int = 0):
@@ -47,8 +58,6 @@ def zero2_steps(size: str, device: str, steps: int, rows: int, length: int, atte
     """`steps` ZeRO-2 steps of MultiTF CE on a random SDAR of `size` with the dual-stream mask as `attention`
     (dense SDPA or FlexAttention, which has a backward only on GPUs): the losses and the plan vs what DeepSpeed
     allocated."""
-    from pipelines.ray_session import free_port
-
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device == "cuda" else "cpu")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
@@ -70,8 +79,10 @@ def zero2_steps(size: str, device: str, steps: int, rows: int, length: int, atte
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds.ds_config(use_gpu))
         data = OnTheFlyRows(training_sequences(cfg.vocab_size, 4 * rows, length, block), LayoutSection(gmax=2),
                             block_size=block, mask_token_id=cfg.mask_token_id, seed=0)
-        losses = []
+        losses, times = [], []
         for step in range(steps):
+            sync(device)
+            t0 = time.perf_counter()
             idx = [(step * rows + i) % data.rows_per_epoch for i in range(rows)]
             batch = collate(rows_to_columns(data.rows(0, idx)), block_size=block, pad_token_id=cfg.pad_token_id,
                             attention=attention, device=device)
@@ -79,12 +90,17 @@ def zero2_steps(size: str, device: str, steps: int, rows: int, length: int, atte
             engine.backward(out.loss)
             engine.step()
             losses.append(float(out.loss.detach()))
+            sync(device)
+            times.append(time.perf_counter() - t0)
         n_params = sum(p.numel() for p in model.parameters())
+        tokens_s = rows * 2 * length / statistics.median(times[1:])  # the dual stream: 2 x length tokens per row
         params, states = allocated_zero2(optimizer)
         plan = {i.name: i.bytes for i in zero_states(n_params, TrainShape(1, 2, ds.use_bf16(use_gpu), rows, length))}
         error = max(abs(plan["parameters"] - params) / params, abs(plan["optimizer states"] - states) / states)
+        flops = 6 * (n_params - model.model.embedding.weight.numel()) * tokens_s
         return {"model": f"random SDAR {size} ({n_params / 1e6:.1f}M)", "losses": losses, "first_loss": losses[0],
                 "last_loss": losses[-1], "finite": all(np.isfinite(losses)), "plan_error": error,
+                "tokens_s": tokens_s, "mfu": flops / matmul_rate(device, torch.bfloat16 if use_gpu else torch.float32),
                 "allocated": {"parameters": params, "optimizer states": states},
                 "planned": {"parameters": plan["parameters"], "optimizer states": plan["optimizer states"]}}
     finally:
@@ -99,7 +115,7 @@ def served_request(device: str) -> dict:
 
     from mbd.config import load_yaml
     from mbd.decoding.spec import build_engine
-    from pipelines.ray_session import free_port, init_ray
+    from pipelines.ray_session import init_ray
     from serve_app.app import build_app
     from serve_app.config import ServeConfig
 
@@ -131,3 +147,34 @@ def served_request(device: str) -> dict:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def train_row(attention: str):
+    """20 ZeRO-2 steps (dense) or 5 (flex, compared with the dense run's first 5 by the orchestrator), in a process
+    of its own: DeepSpeed initialises its process groups once per process."""
+    def row(s, device: str, out: Path):
+        from benchmarks.acceptance_rows import SKIPPED, Row
+
+        if attention == "flex" and device != "cuda":
+            return Row("ZeRO-2 steps, flex dual-stream mask", SKIPPED, "FlexAttention has no backward on CPU")
+        r = zero2_steps(s.train_model, device, steps=20 if attention == "dense" else 5, rows=s.train_rows,
+                        length=s.train_len, attention=attention)
+        ok = r["finite"] and (attention == "flex" or (r["last_loss"] < r["first_loss"] and r["plan_error"] <= 0.05))
+        detail = (f"{r['model']}: loss {r['first_loss']:.3f} -> {r['last_loss']:.3f} over {len(r['losses'])} steps; "
+                  f"{r['tokens_s']:.0f} training tokens/s, MFU {100 * r['mfu']:.1f}%; plan vs allocated "
+                  f"{100 * r['plan_error']:.2f}% off")
+        return Row(f"ZeRO-2 steps, {attention} dual-stream mask", "PASS" if ok else "FAIL", detail, data=r)
+    return row
+
+
+def serve_row(s, device: str, out: Path):
+    """One request through Ray Serve over HTTP, equal to the engine called directly; the one row importing Ray."""
+    from benchmarks.acceptance_rows import Row
+
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return Row("one request served (Ray Serve, HTTP)", "skipped (no ray)", "Ray is not installed here")
+    r = served_request(device)
+    return Row("one request served (Ray Serve, HTTP)", "PASS" if r["equal"] else "FAIL",
+               f"HTTP {r['status']}, {r['tokens']} tokens, equal to the engine called directly: {r['equal']}", data=r)

@@ -15,12 +15,13 @@ system alike (one torch thread; absolute times are noisy on a shared machine, th
    span), alternated step by step; wall and thread-CPU medians.
 4. prefix: on the ~60M model at batch 1, step latency with a 1,024- vs a 64-token prompt, alternated step
    by step; and the KV bytes allocated vs needed vs mapped (pages). Prefix reuse: benchmarks/prefix_cache.py.
-5. flex (on request, `--parts flex --size 60m`): compiled FlexAttention vs SDPA engine steps on CPU, ABAB after
-   a warm-up that compiles every shape; the number behind the CPU default `attention: sdpa` (docs/engine.md).
+5. compiled (on request, `--parts compiled --size 60m`): the compiled decode forward (paged FlexAttention, one
+   compiled layer) vs the eager sdpa and flex engines on CPU, ABAB after its warm-up, and inductor's generated
+   kernels per compiled layer; the numbers behind the CPU default (eager sdpa; docs/engine.md).
 
     python -m benchmarks.decode                 # everything (< 10 minutes on 2 cores)
     python -m benchmarks.decode --parts table --size 60m --repeats 3
-    python -m benchmarks.decode --llada2-mini   # GPU only: LLaDA2-Mini-sized random weights, bf16, CUDA Graphs
+    (GPU steps against their floor, both paper model shapes: benchmarks/step_floor.py)
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.hf_baseline import TEMPER, PlainBlockDiffusion, random_sdar, to_qwen3  # noqa: E402
-from mbd.config import DecodeConfig, ModelConfig, read_json  # noqa: E402
+from mbd.config import DecodeConfig  # noqa: E402
 from mbd.decoding import Engine, EngineConfig  # noqa: E402
-from mbd.model import build_model  # noqa: E402
+from mbd.decoding.runner import decode_shapes  # noqa: E402
 
 MAX_LEN = 2048  # the engine's max_length: what a server would allocate for, whatever the prompt
 NEW = 256
@@ -194,15 +195,14 @@ def overhead(size: str, batch: int, block: int, n_buf: int, plen: int, tau: floa
             if not engine.has_unfinished():
                 break
             batch = engine.scheduler.decode_batch()  # the step's shapes
-            b, k, act = batch.rows, batch.slots, batch.active
-            span = runner.span(batch.max_committed, k)
+            b, k, act, longest = batch.rows, batch.slots, batch.active, batch.max_committed
             a = clocks()
             engine.step()
             e = clocks()
             home = engine.kv.at_home(b)
-            runner.forward(b, k, span, act, home=home)  # builds positions and mask if the step changed them: not timed
+            runner.forward(b, k, act, longest, home=home)  # builds positions and mask if the step changed them: not timed
             m = clocks()
-            runner.forward(b, k, span, act, home=home)
+            runner.forward(b, k, act, longest, home=home)
             z = clocks()
             wall.append((e[0] - a[0]) / (z[0] - m[0]))
             cpu.append((e[1] - a[1]) / (z[1] - m[1]))
@@ -310,37 +310,6 @@ def admission(size: str, block: int, n_buf: int, tau: float, budgets, steps: int
     return lines
 
 
-def llada2_mini(repeats: int) -> list[str]:
-    """GPU only: a LLaDA2-Mini-sized random model (bf16, CUDA Graphs), SingleBD vs MultiBD N_buf 2 and 4 on one
-    256-token prompt, 256 new tokens; ABC/CBA repeats, medians. A random model is rarely confident, so tau_m2t
-    is 0.3 as in the CPU table: the row measures step cost and the engine, not a trained model's TPF."""
-    if not torch.cuda.is_available():
-        return ["--llada2-mini needs a CUDA device; skipped"]
-    cfg = ModelConfig.from_hf(read_json(ROOT / "configs/model/llada2-mini-shape.json"))
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # ~16B random parameters: allocate and initialise on the GPU
-    with torch.device("cuda"):
-        model = build_model(cfg, seed=0).eval()
-    torch.set_default_dtype(default)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, cfg.vocab_size - 2, (1, 256), generator=g).tolist()
-    B = cfg.block_size
-    engines = {n: Engine(model, None, decode_config(n, B, 0.3), EngineConfig(max_batch_rows=1, device="cuda")) for n in (1, 2, 4)}
-    for e in engines.values():
-        run_engine(e, prompts, 2 * B)  # warm-up and CUDA Graph capture
-    runs: dict[int, list[Run]] = {n: [] for n in engines}
-    for rep in range(repeats):
-        for n in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
-            torch.cuda.synchronize()
-            runs[n].append(run_engine(engines[n], prompts))
-    lines = ["| LLaDA2-Mini shape, bf16, CUDA Graphs | TPS | TPF | step ms |", "|---|---|---|---|"]
-    for n, rs in runs.items():
-        lines.append(f"| N_buf={n} | {statistics.median(r.tokens / r.decode_s for r in rs):.1f} | "
-                     f"{statistics.median(r.tokens / r.forwards for r in rs):.2f} | "
-                     f"{statistics.median(1e3 * r.decode_s / r.steps for r in rs):.1f} |")
-    return lines
-
-
 def step_costs(engine: Engine, prompts: list[list[int]], max_new: int) -> tuple[float, float, int]:
     """(median wall ms, median thread-CPU ms, steps) of the decode steps of `prompts` (the prefill step excluded)."""
     for p in prompts:
@@ -356,42 +325,46 @@ def step_costs(engine: Engine, prompts: list[list[int]], max_new: int) -> tuple[
     return 1e3 * statistics.median(wall), 1e3 * statistics.median(cpu), len(wall)
 
 
-def flex_vs_sdpa(size: str, tau: float, repeats: int, cases=((1, 1), (4, 2)), plen: int = 512,
-                 max_new: int = 64) -> list[str]:
-    """Compiled FlexAttention (torch.compile, inductor) vs SDPA on CPU, whole engine steps: the same model,
-    prompts and decisions, engines alternating ABAB after a warm-up run that compiles every shape the workload
-    uses (a 512-token prompt and 64 new tokens keep the key span in one bucket, so the compile count is small)."""
-    from torch._dynamo.utils import counters
+def compiled_vs_eager(size: str, tau: float, repeats: int, cases=((1, 1), (4, 2)), plen: int = 512,
+                      max_new: int = 64) -> list[str]:
+    """The compiled decode forward (one decoder layer compiled by inductor, paged FlexAttention) against the eager
+    engines on CPU, whole engine steps: the same model, prompts and decisions, ABAB after the compiled engine's
+    warm-up; and inductor's generated kernels per compiled layer graph (a fresh cache, so none is reused), the CPU
+    proxy for a GPU step's kernels per layer."""
+    import tempfile
+
+    from torch._inductor import metrics
 
     model, cfg = random_sdar(size, 4, MAX_LEN)
-    lines = ["| batch, N_buf | flex compiles (warm-up s) | SDPA step ms (CPU) | flex step ms (CPU) | flex / SDPA wall | "
-             "flex / SDPA CPU |", "|---|---|---|---|---|---|"]
+    lines = ["| batch, N_buf | compiled layer graphs (warm-up s) | kernels per graph | eager sdpa step ms (CPU) | "
+             "eager flex ms | compiled ms | compiled / eager sdpa (wall, CPU) |", "|---|---|---|---|---|---|---|"]
     for batch, n_buf in cases:
         g = torch.Generator().manual_seed(11 * batch + n_buf)
         prompts = torch.randint(0, cfg.vocab_size - 2, (batch, plen), generator=g).tolist()
         dc = decode_config(n_buf, 4, tau)
-        engines = {a: Engine(model, None, dc, EngineConfig(max_batch_rows=batch, attention=a, compile="default"))
-                   for a in ("sdpa", "flex")}
-        c0, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
-        step_costs(engines["flex"], prompts, max_new)
-        compiles, warm = counters["stats"]["unique_graphs"] - c0, time.perf_counter() - t0
-        step_costs(engines["sdpa"], prompts, max_new)
-        runs: dict[str, list[tuple[float, float, int]]] = {"sdpa": [], "flex": []}
+        metrics.reset()
+        with tempfile.TemporaryDirectory() as cache:
+            engines = {name: Engine(model, None, dc, EngineConfig(max_batch_rows=batch, **kw)) for name, kw in (
+                ("sdpa", dict(attention="sdpa")), ("flex", dict(attention="flex", compile="off")),
+                ("compiled", dict(attention="flex", compile="default", compile_cache=cache)))}
+        graphs = len({(b, s) for b, s, _ in decode_shapes(engines["compiled"].scheduler.buckets, n_buf)})
+        kernels = metrics.generated_kernel_count / graphs
+        runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in engines}
         for rep in range(repeats):
-            for a in (("sdpa", "flex") if rep % 2 == 0 else ("flex", "sdpa")):
-                runs[a].append(step_costs(engines[a], prompts, max_new))
+            for name in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
+                runs[name].append(step_costs(engines[name], prompts, max_new))
         med = {a: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)) for a, rs in runs.items()}
-        lines.append(f"| {batch}, {n_buf} | {compiles} ({warm:.0f}) | {med['sdpa'][0]:.1f} ({med['sdpa'][1]:.1f}) | "
-                     f"{med['flex'][0]:.1f} ({med['flex'][1]:.1f}) | {med['flex'][0] / med['sdpa'][0]:.2f} | "
-                     f"{med['flex'][1] / med['sdpa'][1]:.2f} |")
+        lines.append(f"| {batch}, {n_buf} | {graphs} ({engines['compiled'].warmup_s:.0f}) | {kernels:.1f} | "
+                     f"{med['sdpa'][0]:.1f} ({med['sdpa'][1]:.1f}) | {med['flex'][0]:.1f} | {med['compiled'][0]:.1f} | "
+                     f"{med['compiled'][0] / med['sdpa'][0]:.2f}, {med['compiled'][1] / med['sdpa'][1]:.2f} |")
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="table,mixed,overhead,prefix",
                     help="any of table, mixed, overhead, prefix, buffer, admission (the last two on the 60m model), "
-                         "flex (compiled flex vs SDPA)")
+                         "compiled (the compiled forward vs the eager engines)")
     ap.add_argument("--size", default="tiny", help="model of the table: tiny | small | 60m (hf_baseline.SIZES)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tau", type=float, default=0.3, help="tau_m2t of every system")
@@ -401,17 +374,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="steps of the overhead, prefix and admission parts")
     ap.add_argument("--new", type=int, default=64, help="new tokens per request (buffer part)")
     ap.add_argument("--temper", type=float, default=TEMPER, help="LM-head scale of the random model (buffer part)")
-    ap.add_argument("--llada2-mini", action="store_true", help="GPU only: the LLaDA2-Mini-shaped part alone")
-    args = ap.parse_args(argv)
-    if args.llada2_mini:
-        print("\n".join(llada2_mini(args.repeats)))
-        return 0
-    torch.set_num_threads(1)
-    parts = set(args.parts.split(","))
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    t0 = time.perf_counter()
-    print(f"CPU, 1 torch thread, random SDAR '{args.size}' (benchmarks/hf_baseline.py), tau_m2t {args.tau}, "
-          f"{NEW} new tokens, engine max_length {MAX_LEN}, {args.repeats} repeats ABCD/DCBA, medians\n", flush=True)
+    return ap.parse_args(argv)
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",")]
+
+
+def report_throughput(args: argparse.Namespace, parts: set[str]) -> None:
+    """The table, mixed and buffer parts: systems side by side on whole requests."""
     if "table" in parts:
         lines = table(args.size, args.repeats, args.tau, ints(args.batches), ints(args.blocks), ints(args.prompts))
         print("\n" + "\n".join(lines), flush=True)
@@ -419,32 +390,46 @@ def main(argv: list[str] | None = None) -> int:
         m = mixed(args.size, args.tau, args.repeats)
         print("\nmixed lengths, B=4, 48 requests (prompt 64, budgets 32-256) through 16 slots: TPS "
               + ", ".join(f"{n} {v:.1f} ({v / m['plain']:.2f}x plain)" for n, v in m.items()), flush=True)
+    if "buffer" in parts:
+        lines = buffer_cost(args.size, args.tau, args.repeats, ints(args.blocks), ints(args.batches), args.temper,
+                            args.new)
+        print(f"\nBlock Buffer cost vs N_buf=1, {args.size} model (head tempered x{args.temper:g}), tau_m2t "
+              f"{args.tau}, {args.new} new tokens\n" + "\n".join(lines), flush=True)
+
+
+def report_steps(args: argparse.Namespace, parts: set[str]) -> None:
+    """The overhead, admission, compiled and prefix parts: single steps, alternated."""
     if "overhead" in parts:
         print("\nengine overhead, 60m model, SingleBD B=4, prompt 64: step / bare forward of the same shape (median)")
         for batch in (1, 16):
             o = overhead("60m", batch, 4, 1, 64, args.tau, args.steps)
             print(f"  batch {batch:2d}: wall {o['wall']:.3f}  thread-CPU {o['cpu']:.3f}  ({o['steps']} steps)", flush=True)
-    if "buffer" in parts:
-        lines = buffer_cost(args.size, args.tau, args.repeats, ints(args.blocks), ints(args.batches), args.temper,
-                            args.new)
-        print(f"\nBlock Buffer cost vs N_buf=1, {args.size} model (head tempered x{args.temper:g}), tau_m2t {args.tau}, "
-              f"{args.new} new tokens\n"
-              + "\n".join(lines), flush=True)
     if "admission" in parts:
         for block, n_buf in ((4, 2), (32, 2)):
             lines = admission("60m", block, n_buf, args.tau, (8, 16, 64, 256, 1024), args.steps)
             print(f"\nadmitting a 1,024-token prompt while one row decodes (60m, B={block}, N_buf={n_buf}, batch 1)\n"
                   + "\n".join(lines), flush=True)
-    if "flex" in parts:
-        lines = flex_vs_sdpa(args.size, args.tau, args.repeats)
-        print(f"\ncompiled FlexAttention vs SDPA on CPU, {args.size} model, B=4, prompt 512, 64 new tokens, medians of "
-              f"{args.repeats} alternating runs\n" + "\n".join(lines), flush=True)
+    if "compiled" in parts:
+        lines = compiled_vs_eager(args.size, args.tau, args.repeats)
+        print(f"\ncompiled decode forward vs eager engines on CPU, {args.size} model, B=4, prompt 512, 64 new tokens, "
+              f"medians of {args.repeats} alternating runs\n" + "\n".join(lines), flush=True)
     if "prefix" in parts:
         p = prefix_latency("60m", 4, args.tau, args.steps)
-        print(f"\nprefix, 60m model, SingleBD B=4, batch 1: step {p['ms64']:.1f} ms (prompt 64) vs {p['ms1024']:.1f} ms "
-              f"(prompt 1024): {p['ms1024'] / p['ms64']:.2f}x\nKV cache: {p['alloc'] / 2**20:.1f} MiB allocated, "
-              f"{p['needed'] / 2**20:.1f} MiB needed by the live row (prompt 1024), {p['mapped'] / 2**20:.1f} MiB of pages "
-              "mapped to it", flush=True)
+        print(f"\nprefix, 60m model, SingleBD B=4, batch 1: step {p['ms64']:.1f} ms (prompt 64) vs {p['ms1024']:.1f} "
+              f"ms (prompt 1024): {p['ms1024'] / p['ms64']:.2f}x\nKV cache: {p['alloc'] / 2**20:.1f} MiB allocated, "
+              f"{p['needed'] / 2**20:.1f} MiB needed by the live row (prompt 1024), {p['mapped'] / 2**20:.1f} MiB of "
+              "pages mapped to it", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    torch.set_num_threads(1)
+    parts = set(args.parts.split(","))
+    t0 = time.perf_counter()
+    print(f"CPU, 1 torch thread, random SDAR '{args.size}' (benchmarks/hf_baseline.py), tau_m2t {args.tau}, "
+          f"{NEW} new tokens, engine max_length {MAX_LEN}, {args.repeats} repeats ABCD/DCBA, medians\n", flush=True)
+    report_throughput(args, parts)
+    report_steps(args, parts)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     return 0
 
