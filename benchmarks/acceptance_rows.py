@@ -150,19 +150,19 @@ def floor_row(index: int):
     return row
 
 
-def warmup_row(s: Sizes, device: str, out: Path) -> Row:
-    """Engine construction for the SDAR-8B serve config's shapes: compile and capture every graph; the first run
-    fills a fresh cache directory under the run's output, the second (`warmup_cached`) reads it."""
-    cfg = shape_config(s.warmup_shape, s.warmup_block)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = random_model(cfg, device, dtype)
-    rows = max(s.warmup_buckets)
-    ecfg = EngineConfig(device=device, max_batch_rows=rows, batch_buckets=list(s.warmup_buckets), attention="flex",
-                        compile="default", compile_cache=str(out / "compile-cache"))
-    eng = Engine(model, None, multibd(s.warmup_n_buf, 64), ecfg)
-    shapes = decode_shapes(eng.scheduler.buckets, s.warmup_n_buf)
-    return Row("warm-up", "MEASURED", f"{len(shapes)} shapes in {eng.warmup_s:.1f} s",
-               data={"seconds": eng.warmup_s, "shapes": len(shapes)})
+def warmup_row(which: str):
+    def row(s: Sizes, device: str, out: Path) -> Row:
+        """Engine construction for the SDAR-8B serve config's shapes: compile and capture every graph; the first
+        run fills a fresh cache directory under the run's output, the second reads it."""
+        cfg = shape_config(s.warmup_shape, s.warmup_block)
+        model = random_model(cfg, device, torch.bfloat16 if device == "cuda" else torch.float32)
+        ecfg = EngineConfig(device=device, max_batch_rows=max(s.warmup_buckets), batch_buckets=list(s.warmup_buckets),
+                            attention="flex", compile="default", compile_cache=str(out / "compile-cache"))
+        eng = Engine(model, None, multibd(s.warmup_n_buf, 64), ecfg)
+        shapes = decode_shapes(eng.scheduler.buckets, s.warmup_n_buf)
+        return Row(f"warm-up, {which}", "MEASURED", f"{len(shapes)} shapes in {eng.warmup_s:.1f} s",
+                   data={"seconds": eng.warmup_s, "shapes": len(shapes)})
+    return row
 
 
 def batch_invariance_row(s: Sizes, device: str, out: Path) -> Row:
