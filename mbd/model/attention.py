@@ -67,8 +67,9 @@ class Cached:
 
 @dataclass(frozen=True)
 class PagedLayer:
-    """One layer's view of a `Paged` forward: its K/V pool pages [kvh, pages, page, d], the tokens' pool
-    addresses and the BlockMask over the pool."""
+    """One layer's view of a `Paged` forward: its K/V pool as [kv heads, pages x page, d] (flattened outside the
+    compiled layer: inductor writes an input in place only when the layer does not reshape it first; a view taken
+    inside would make it copy the whole pool back), the tokens' pool addresses and the BlockMask over the pool."""
 
     k_pool: torch.Tensor
     v_pool: torch.Tensor
@@ -78,12 +79,10 @@ class PagedLayer:
     kernel_options: dict | None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kvh, d = k.shape[1], k.shape[3]
-        keys, values = self.k_pool.view(1, kvh, -1, d), self.v_pool.view(1, kvh, -1, d)
-        keys[0].index_copy_(1, self.kv_at, k.transpose(0, 1).flatten(1, 2))
-        values[0].index_copy_(1, self.kv_at, v.transpose(0, 1).flatten(1, 2))
-        o = self.kernel(q, keys, values, block_mask=self.block_mask, enable_gqa=q.shape[1] != kvh,
-                        kernel_options=self.kernel_options)
+        self.k_pool[:, self.kv_at] = k.transpose(0, 1).flatten(1, 2)
+        self.v_pool[:, self.kv_at] = v.transpose(0, 1).flatten(1, 2)
+        o = self.kernel(q, self.k_pool.unsqueeze(0), self.v_pool.unsqueeze(0), block_mask=self.block_mask,
+                        enable_gqa=q.shape[1] != k.shape[1], kernel_options=self.kernel_options)
         return _merge_heads(o)
 
 
@@ -99,8 +98,8 @@ class Paged:
         self.kv_at = cache.address(pos)
 
     def layer(self, i: int) -> PagedLayer:
-        return PagedLayer(self.cache.k[i], self.cache.v[i], self.kv_at, self.block_mask, self.kernel,
-                          self.kernel_options)
+        return PagedLayer(self.cache.k[i].flatten(1, 2), self.cache.v[i].flatten(1, 2), self.kv_at, self.block_mask,
+                          self.kernel, self.kernel_options)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ takes no float64; the eager side is the same paged attention uncompiled (`compil
 from __future__ import annotations
 
 import os
+import re
 import socket
 
 import pytest
@@ -157,3 +158,33 @@ def test_compiled_tp2_over_gloo_equals_tp1(tmp_path):
         model.lm_head.weight.mul_(10.0)
     want = Engine(model, None, dcfg(), EngineConfig(max_batch_rows=2, batch_buckets=[2])).generate(PROMPTS[:2])
     assert torch.load(tmp_path / "out.pt", weights_only=True)["tokens"] == [r.token_ids for r in want]
+
+
+def test_compiled_layer_writes_the_pool_in_place():
+    """The compiled layer scatters its tokens' K/V into the pool where they lie: inductor's code touches the
+    written positions, never the whole pool (a reshape of the pool inside the compiled region made it copy all of
+    it back every layer: the pool's size then appears as a loop bound in the generated code)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from mbd.model.base import layer_runner, run_layer
+    from mbd.model.layers import rope_cos_sin
+
+    torch._dynamo.reset()
+    eng = Engine(tempered("sdar"), None, dcfg(), engine_cfg("off"))
+    runner = eng.runner
+    cache = runner.cache
+    pool_elems = cache.k[0].numel()  # one layer's K pool
+    attn = runner._paged_attention(2, 2)
+    layer = eng.model.model.layers[0]
+    h = torch.randn(2, 8, eng.model.cfg.hidden_size)
+    cos, sin = rope_cos_sin(runner.paged.q_pos[:2, :8], eng.model.cfg.rotary_dim, eng.model.cfg.rope_theta, h.dtype)
+    compiled = torch.compile(run_layer, fullgraph=True, dynamic=False)
+    before = cache.k[0].clone()
+    with torch.inference_mode():
+        out, code = run_and_get_code(compiled, layer, h, cos, sin, attn.layer(0))
+        want = run_layer(layer, h, cos, sin, attn.layer(0))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    loops = re.compile(rf"<\s*static_cast<int64_t>\({pool_elems}L\)")  # a loop over the whole pool
+    assert not any(loops.search(c) for c in code), "the compiled layer copies the whole K/V pool"
+    changed = (cache.k[0] != before).any(-1).flatten()
+    assert 0 < int(changed.sum()) <= 2 * 8 * cache.k.shape[1] and layer_runner("off") is run_layer
