@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from mbd.config import DecodeConfig, ModelConfig  # noqa: E402
 from mbd.model import build_model  # noqa: E402
+from mbd.model.checkpoint import checkpoint_state  # noqa: E402
 
 # Random SDAR (Qwen3-style) configs. "60m": 8 layers, d=512, 32,768 vocab, untied head (58.7M parameters).
 # "0.5b": 28 layers, d=1024, 65,536 vocab, untied head (0.49B; the GPU acceptance run's model).
@@ -76,7 +77,7 @@ def to_qwen3(model: torch.nn.Module, cfg: ModelConfig):
         tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.attention_bias, attn_implementation="sdpa")
     dtype = next(model.parameters()).dtype
     hf = transformers.Qwen3ForCausalLM(hf_cfg).to(dtype).eval()
-    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    missing, unexpected = hf.load_state_dict(checkpoint_state(model), strict=False)
     if unexpected or any("rotary" not in k for k in missing):
         raise RuntimeError(f"weight names differ: missing {missing}, unexpected {unexpected}")
     return hf.to(next(model.parameters()).device)

@@ -85,17 +85,19 @@ def load_checkpoint(path: str | Path, tp: TPGroup = SINGLE, dtype: torch.dtype =
     state, missing, handles = {}, [], {}
     for name, ref in expected.items():
         owner = modules[name.rpartition(".")[0]]
-        src = _sources(owner, name, files)
-        if src is None and cfg.tie_word_embeddings and name == "lm_head.weight":
-            src = _sources(owner, embedding, files)
-        if src is None:
-            missing.append(name)
+        parts = _parts(owner, name)
+        if cfg.tie_word_embeddings and name == "lm_head.weight" and name not in files:
+            parts = [embedding]  # the head shares the embedding's tensor (cut as a head under TP)
+        absent = [p for p in parts if p not in files]
+        if absent:
+            missing += absent
             continue
-        parts = [_shard(owner, name, _tensor(handles, f, orig), tp) for orig, f in src]
-        t = torch.stack(parts) if hasattr(owner, "checkpoint_names") else parts[0]
+        tensors = [_tensor(handles, files[p][1], files[p][0]) for p in parts]
+        full = owner.join(name, tensors) if len(parts) > 1 else tensors[0]
+        t = owner.shard_(name, full) if hasattr(owner, "shard_") and tp.world > 1 else full
         if tuple(t.shape) != tuple(ref.shape):
             raise CheckpointError(
-                f"{d}: tensor '{src[0][0]}' gives shape {tuple(t.shape)} per rank, the config implies "
+                f"{d}: tensor '{files[parts[0]][0]}' gives shape {tuple(t.shape)} per rank, the config implies "
                 f"{tuple(ref.shape)} (tp={tp.world}); is config.json the one saved with these weights?"
             )
         state[name] = t.to(dtype)
@@ -106,14 +108,9 @@ def load_checkpoint(path: str | Path, tp: TPGroup = SINGLE, dtype: torch.dtype =
     return model.to(device).eval(), cfg
 
 
-def _sources(owner: nn.Module, name: str, files: dict[str, tuple[str, Path]]) -> list[tuple[str, Path]] | None:
-    """The checkpoint tensors (name in the file, file) that parameter `name` is read from: itself, or for a
-    parameter stacked over experts (its module has `checkpoint_names`) every expert's tensor; None if missing."""
-    if not hasattr(owner, "checkpoint_names"):
-        return [files[name]] if name in files else None
-    prefix, _, leaf = name.rpartition(".")
-    parts = [f"{prefix}.{n}" for n in owner.checkpoint_names(leaf)]
-    return [files[p] for p in parts] if all(p in files for p in parts) else None
+def _parts(owner: nn.Module, name: str) -> list[str]:
+    """The checkpoint names of parameter `name`: itself, or the tensors a packed parameter joins."""
+    return owner.checkpoint_parts(name) if hasattr(owner, "checkpoint_parts") else [name]
 
 
 def _tensor(handles: dict[Path, object], f: Path, name: str) -> torch.Tensor:
@@ -122,19 +119,15 @@ def _tensor(handles: dict[Path, object], f: Path, name: str) -> torch.Tensor:
     return handles[f].get_tensor(name)
 
 
-def _shard(owner: nn.Module, name: str, full: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """This rank's part of a full checkpoint tensor (the owning layer knows how it is cut)."""
-    return owner.shard_(name, full) if hasattr(owner, "shard_") and tp.world > 1 else full
-
-
-def _checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors under their checkpoint names (expert-stacked parameters split per expert)."""
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    for prefix, m in model.named_modules():
-        if hasattr(m, "checkpoint_names"):
-            for leaf, _ in m.named_parameters(recurse=False):
-                stacked = state.pop(f"{prefix}.{leaf}")
-                state.update({f"{prefix}.{n}": t.clone() for n, t in zip(m.checkpoint_names(leaf), stacked)})
+def checkpoint_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under their checkpoint (HF) names: packed parameters split into their parts."""
+    modules = dict(model.named_modules())
+    state = {}
+    for name, t in model.state_dict().items():
+        owner = modules[name.rpartition(".")[0]]
+        parts = _parts(owner, name)
+        pieces = owner.split(name, t) if parts != [name] else [t]
+        state.update({p: x.detach().to("cpu").contiguous().clone() for p, x in zip(parts, pieces)})
     return state
 
 
@@ -144,7 +137,7 @@ def save_checkpoint(model: nn.Module, cfg: ModelConfig, path: str | Path, shard_
         raise ValueError("save_checkpoint needs the unsharded model (tensor_parallel_size=1)")
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
-    state = _checkpoint_state(model)
+    state = checkpoint_state(model)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     (d / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))

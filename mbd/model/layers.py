@@ -61,13 +61,14 @@ def flex_kernel(compile: str):
 
 
 class SwiGLU(nn.Module):
-    """gate/up column-parallel, down row-parallel (one all-reduce per MLP under TP)."""
+    """gate|up one column-parallel GEMM (the checkpoint's gate_proj and up_proj), down row-parallel (one
+    all-reduce per MLP under TP)."""
 
     def __init__(self, d: int, d_ff: int, tp: TPGroup = SINGLE, reduce: bool = True):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(d, d_ff, False, tp)
-        self.up_proj = ColumnParallelLinear(d, d_ff, False, tp)
+        self.gate_up_proj = ColumnParallelLinear(d, 2 * d_ff, False, tp, (d_ff, d_ff), parts=("gate_proj", "up_proj"))
         self.down_proj = RowParallelLinear(d_ff, d, False, tp, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

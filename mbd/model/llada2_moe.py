@@ -72,7 +72,7 @@ class LLaDA2Experts(nn.Module):
     """The routed experts' SwiGLU weights stacked over experts (each [E, out, in], HF's per-expert layout) so that
     one grouped GEMM per projection runs every expert on its tokens, with static shapes and no host
     synchronisation (CUDA Graph capturable, `fullgraph` compilable). Checkpoints keep HF's per-expert tensors
-    (`experts.{e}.gate_proj.weight`, ...): `checkpoint_names` says which, `shard_` cuts one under TP (gate/up
+    (`experts.{e}.gate_proj.weight`, ...): `checkpoint_parts` says which, `shard_` cuts the stack under TP (gate/up
     column-parallel, down row-parallel along the expert's hidden dim)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
@@ -85,13 +85,20 @@ class LLaDA2Experts(nn.Module):
         for p in self.parameters():
             nn.init.normal_(p, std=0.02)
 
-    def checkpoint_names(self, leaf: str) -> list[str]:
-        """The checkpoint tensors (relative to this module) whose stack is parameter `leaf`."""
-        return [f"{e}.{leaf}.weight" for e in range(self.num_experts)]
+    def checkpoint_parts(self, name: str) -> list[str]:
+        """The checkpoint tensors whose stack over experts is parameter `name` (`...experts.gate_proj`)."""
+        prefix, _, leaf = name.rpartition(".")
+        return [f"{prefix}.{e}.{leaf}.weight" for e in range(self.num_experts)]
+
+    def join(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(parts)
+
+    def split(self, name: str, full: torch.Tensor) -> list[torch.Tensor]:
+        return list(full.unbind(0))
 
     def shard_(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of one expert's full tensor of parameter `name`."""
-        return full.chunk(self.tp.world, dim=1 if name.endswith("down_proj") else 0)[self.tp.rank]
+        """This rank's part of the full stack [E, out, in] of parameter `name`."""
+        return full.chunk(self.tp.world, dim=2 if name.endswith("down_proj") else 1)[self.tp.rank]
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [t, d]; idx, w [t, k]: each token's chosen experts and their weights -> sum_k w * expert(x), [t, d]

@@ -1,7 +1,8 @@
 """SDAR: a Qwen3-style dense decoder (q/k RMSNorm, RoPE, SwiGLU) trained as a block diffusion LM.
 
-Module attribute names equal the tensor names of SDAR's HuggingFace checkpoints
-(`model.layers.N.self_attn.q_proj.weight`, ...), so a state dict loads without renaming.
+Module attribute names equal the tensor names of SDAR's HuggingFace checkpoints (`model.layers.N.self_attn.o_proj.
+weight`, ...), except the packed projections: q|k|v run as one GEMM (`qkv_proj`) and the MLP's gate|up as one
+(`gate_up_proj`), read from and written to the checkpoint's `q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`.
 """
 
 from __future__ import annotations
@@ -21,20 +22,20 @@ class SDARAttention(nn.Module):
         self.n_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
         self.n_kv = tp.split(cfg.num_key_value_heads, "num_key_value_heads")
         self.hd = hd
-        self.q_proj = ColumnParallelLinear(d, cfg.num_attention_heads * hd, cfg.attention_bias, tp)
-        self.k_proj = ColumnParallelLinear(d, cfg.num_key_value_heads * hd, cfg.attention_bias, tp)
-        self.v_proj = ColumnParallelLinear(d, cfg.num_key_value_heads * hd, cfg.attention_bias, tp)
+        splits = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.num_key_value_heads * hd)
+        self.qkv_proj = ColumnParallelLinear(d, sum(splits), cfg.attention_bias, tp, splits,
+                                             parts=("q_proj", "k_proj", "v_proj"))
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, d, False, tp)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, attend):
         b, n, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, n, self.n_heads, self.hd)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv, self.hd)).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.n_kv, self.hd).transpose(1, 2)
+        q, k, v = self.qkv_proj(x).view(b, n, -1, self.hd).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
+        q = self.q_norm(q).transpose(1, 2)
+        k = self.k_norm(k).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(attend(q, k, v))
+        return self.o_proj(attend(q, k, v.transpose(1, 2)))
 
 
 class SDARDecoderLayer(nn.Module):

@@ -2,6 +2,8 @@
 
 Weights are stored full-size in checkpoints; each parallel layer knows how to cut its own shard
 (`shard_(full)`), so loading is the same code for TP=1 and TP=N. Works with NCCL on GPU and gloo on CPU.
+A parameter packed from several checkpoint tensors (fused q|k|v, gate|up, stacked experts) says which
+(`checkpoint_parts`), how they join into the full tensor (`join`) and how it splits back (`split`).
 """
 
 from __future__ import annotations
@@ -45,14 +47,32 @@ SINGLE = TPGroup()
 class ColumnParallelLinear(nn.Linear):
     """y_local = x W_local^T: the output features are split across ranks.
 
-    `splits` lists the sizes of stacked sub-matrices (e.g. fused q|k|v) so that each is cut separately.
+    `splits` lists the sizes of stacked sub-matrices (e.g. fused q|k|v) so that each is cut separately. `parts`
+    names them when the checkpoint keeps them as separate linears (SDAR's q_proj, k_proj, v_proj; gate_proj and
+    up_proj): one GEMM instead of several at run time, their own names in checkpoints (`checkpoint_parts`).
     """
 
-    def __init__(self, d_in: int, d_out: int, bias: bool, tp: TPGroup = SINGLE, splits: tuple[int, ...] | None = None):
+    def __init__(self, d_in: int, d_out: int, bias: bool, tp: TPGroup = SINGLE, splits: tuple[int, ...] | None = None,
+                 parts: tuple[str, ...] = ()):
         self.tp = tp
         self.splits = splits or (d_out,)
+        self.parts = parts
         local = sum(tp.split(s, "output features") for s in self.splits)
         super().__init__(d_in, local, bias=bias)
+
+    def checkpoint_parts(self, name: str) -> list[str]:
+        """The checkpoint tensors parameter `name` (this module's weight or bias) is the concatenation of."""
+        if not self.parts:
+            return [name]
+        module, _, leaf = name.rpartition(".")
+        parent = module.rpartition(".")[0]
+        return [f"{parent}.{p}.{leaf}" for p in self.parts]
+
+    def join(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts)
+
+    def split(self, name: str, full: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.split(full, list(self.splits)))
 
     def shard_(self, name: str, full: torch.Tensor) -> torch.Tensor:
         parts = torch.split(full, list(self.splits), dim=0)
