@@ -41,7 +41,7 @@ def test_zero_run_matches_single_process_and_exports(ray_cluster, tiny, stage):
     batch, mcfg = probe_batch(cfg)
     with torch.no_grad():
         ref_logits = ref_model(batch.input_ids, batch.position_ids, Masked(batch.mask))
-        exp_logits = exported(batch.input_ids, batch.position_ids, batch.mask)
+        exp_logits = exported(batch.input_ids, batch.position_ids, Masked(batch.mask))
         exp_probe = compute_objective(exported, batch, cfg.objective, mcfg.mask_token_id).loss.item()
     torch.testing.assert_close(exp_logits, ref_logits, atol=1e-4, rtol=1e-4)
     assert exp_probe == pytest.approx(probes[-1], rel=1e-6)  # the worker's (ZeRO-sharded) model, same loss
