@@ -141,15 +141,6 @@ class ServeShape:
     prefill_chunk: int = 512
 
 
-def buckets_for(rows: int) -> tuple[int, ...]:
-    """The engine's default batch buckets: powers of two below `rows`, then `rows`."""
-    out, b = [], 1
-    while b < rows:
-        out.append(b)
-        b *= 2
-    return (*out, rows)
-
-
 def _span_buckets(size: int) -> list[int]:
     from mbd.decoding.runner import span_bucket
 
@@ -251,8 +242,10 @@ def _graph_item(cfg: ModelConfig, shape: ServeShape, decode: DecodeConfig, size:
         return Item("CUDA-Graph pools", 0, "off (no CUDA Graphs)")
     if cfg.num_experts:
         return Item("CUDA-Graph pools", 0, "off: MoE routing is not capturable, the engine runs eagerly")
+    from mbd.decoding.scheduler import power_of_two_buckets
+
     n_buf, peaks, outputs = decode.buffer_size, [], 0
-    for b in shape.batch_buckets or buckets_for(shape.max_batch_rows):
+    for b in shape.batch_buckets or power_of_two_buckets(shape.max_batch_rows):
         for slots in range(1, n_buf + 1):
             for active in range(1, slots + 1):
                 for span in _span_buckets(size):

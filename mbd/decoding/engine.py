@@ -64,9 +64,9 @@ class Engine:
         if decode.block_size not in (None, self.block):
             raise ConfigError(f"decode config block_size={decode.block_size} but the model was trained with "
                               f"block_size={self.block}: remove block_size or set it to {self.block}")
-        self.device = next(model.parameters()).device if engine.device == "auto" else engine.torch_device()
-        dtype = None if engine.dtype == "auto" else engine.torch_dtype()
-        self.model = model.to(self.device, dtype).eval()
+        weight = next(model.parameters())
+        self.device = engine.torch_device(weight.device)
+        self.model = model.to(self.device, engine.torch_dtype(weight.dtype)).eval()
         self.tokenizer, self.cfg, self.engine_cfg = tokenizer, decode, engine
         self.n_buf = decode.buffer_size
         self.max_length = min(decode.max_length, mcfg.max_position_embeddings)
