@@ -12,8 +12,8 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from actors.tp_worker import ModelSpec
 from mbd.config import DecodeConfig, EngineConfig, StrictModel, load_yaml
+from mbd.decoding.spec import ModelSpec
 
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024

@@ -41,7 +41,7 @@ def http_app(ing: "OpenAIIngress", api_key: str | None) -> FastAPI:
 
     @app.get("/v1/models", responses={k: RESPONSES[k] for k in (401,)})
     async def models() -> ModelList:
-        return ing.models()
+        return await ing.models()
 
     @app.post("/v1/completions", responses=RESPONSES)
     async def completions(req: CompletionRequest) -> Any:

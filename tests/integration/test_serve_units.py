@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.decoder import EngineDead, EngineHost
-from actors.tp_worker import ModelSpec
+from actors.engine_host import EngineDead, EngineHost
+from mbd.decoding.spec import ModelSpec
 from mbd.config import ConfigError, DecodeConfig, ModelConfig
 from mbd.decoding import Engine, EngineConfig
 from mbd.model import build_model, load_checkpoint, save_checkpoint
@@ -111,11 +111,11 @@ def test_engine_host_matches_engine_and_aborts_on_early_exit(ckpt, tok):
     host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
     try:
         deltas = asyncio.run(_collect(host, ids, params))
-        assert [t for d in deltas for t in d.token_ids] == want.token_ids
+        assert [t for d in deltas for t in d.new_token_ids] == want.token_ids
         assert deltas[-1].finished and deltas[-1].nfe == want.nfe and deltas[-1].finish_reason == want.finish_reason
         # per_block=False: the reader thread merges the blocks and hands over the whole generation once
         (whole,) = asyncio.run(_collect(host, ids, params, per_block=False))
-        assert (whole.token_ids, whole.finished, whole.nfe) == (want.token_ids, True, want.nfe)
+        assert (whole.new_token_ids, whole.finished, whole.nfe) == (want.token_ids, True, want.nfe)
         # leaving after the first block aborts the request inside the engine and frees its slot
         asyncio.run(_collect(host, ids, DECODE.model_copy(update={"tau_m2t": 1.0}), n=1))
         for _ in range(200):
@@ -129,13 +129,15 @@ def test_engine_host_matches_engine_and_aborts_on_early_exit(ckpt, tok):
 
 
 def test_engine_host_refuses_bad_request_without_dying(ckpt, tok):
+    """The host forwards a request unchanged; the engine's check refuses it, naming the field, and the request
+    fails alone: the loop keeps serving."""
     host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
     try:
-        with pytest.raises(ValueError, match="buffer_size"):
-            host.validate(tok.encode("1+1="), DECODE.model_copy(update={"buffer_size": 3}))
+        with pytest.raises(ValueError, match="buffer_size") as e:
+            asyncio.run(_collect(host, tok.encode("1+1="), DECODE.model_copy(update={"buffer_size": 3})))
+        assert e.value.field == "buffer_size"
         with pytest.raises(ValueError, match="mask"):
-            host.validate([special_token_ids()["mask_token_id"]], DECODE)
-        # a request the engine itself refuses fails alone; the loop keeps serving
+            asyncio.run(_collect(host, [special_token_ids()["mask_token_id"]], DECODE))
         with pytest.raises(ValueError, match="refused"):
             asyncio.run(_collect(host, [], DECODE))
         host.check()
@@ -154,7 +156,7 @@ def test_engine_loop_death_fails_requests_and_health(ckpt, tok):
         params = DECODE.model_copy(update={"max_new_tokens": 1000, "tau_m2t": 1.0, "ignore_eos": True})
         async with aclosing(host.generate(tok.encode("1+1="), params)) as gen:
             await gen.__anext__()
-            host._send(("add", "poison", None, DECODE, None))  # bypasses validation: the engine raises TypeError
+            host._send(("abort", ["poison"]))  # no handler sends this: the engine loop raises TypeError
             with pytest.raises(EngineDead, match="TypeError"):
                 async for _ in gen:
                     pass
@@ -176,8 +178,8 @@ def test_engine_process_ends_with_its_replica(ckpt, tok):
     import psutil
 
     script = textwrap.dedent(f"""
-        from actors.decoder import EngineHost
-        from actors.tp_worker import ModelSpec
+        from actors.engine_host import EngineHost
+        from mbd.decoding.spec import ModelSpec
         from mbd.config import EngineConfig
         from tests.integration.test_serve_units import DECODE
         host = EngineHost(ModelSpec(path={str(ckpt)!r}), DECODE, EngineConfig(max_batch_rows=2))
@@ -239,13 +241,17 @@ def test_ignore_eos_decodes_past_eos(tmp_path):
 
 
 def test_request_constraints_name_their_fields(ckpt, tok):
-    """Which request field a constraint came from, and 400s that name it (and the schema feature)."""
+    """Which request field a constraint came from (the ingress), and refusals that name it (and the schema
+    feature): two constraints at once by the ingress, what the vocabulary cannot honour by the engine's check,
+    which compiles it."""
+    from mbd.decoding.constraints import ConstraintError
     from serve_app.config import ServeConfig
     from serve_app.convert import RequestConverter
     from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
     cfg = ServeConfig.model_validate({"model": {"path": str(ckpt), "name": "m"}, "decode": DECODE.model_dump()})
-    conv = RequestConverter(cfg, load_checkpoint(ckpt)[1], tok)
+    conv = RequestConverter(cfg, tok)
+    engine = Engine(load_checkpoint(ckpt)[0], tok, DECODE, EngineConfig(max_batch_rows=2))
     base = {"model": "m", "prompt": "1+1="}
     spec = conv.constraint(CompletionRequest.model_validate(base | {"structured_outputs": {"regex": "[0-9]+"}}))
     assert (spec.kind, spec.text, spec.field) == ("regex", "[0-9]+", "structured_outputs.regex")
@@ -261,9 +267,12 @@ def test_request_constraints_name_their_fields(ckpt, tok):
         ({"guided_grammar": "start: /[0-9/"}, "guided_grammar", "cannot be compiled"),
     ]
     for extra, param, words in cases:
-        with pytest.raises(APIError) as e:
-            conv.constraint(CompletionRequest.model_validate(base | extra))
-        assert e.value.param == param and words in str(e.value.message), (extra, e.value.message)
+        with pytest.raises((APIError, ConstraintError)) as e:
+            spec = conv.constraint(CompletionRequest.model_validate(base | extra))
+            engine.check_request(tok.encode("1+1="), None, spec)
+        field, message = (e.value.param, e.value.message) if isinstance(e.value, APIError) else \
+            (e.value.field, str(e.value))
+        assert field == param and words in message, (extra, message)
 
 
 def test_engine_host_constrains_and_reports_cached_tokens(ckpt, tok):
@@ -278,9 +287,8 @@ def test_engine_host_constrains_and_reports_cached_tokens(ckpt, tok):
         ids = tok.encode("7*8+9*6-4;" * 4)  # 40 tokens: two full pages
         params = DECODE.model_copy(update={"max_new_tokens": 24})
         spec = ConstraintSpec("regex", "[0-9]{2,5}=[a-z]{3}", "regex")
-        host.validate(ids, params)
         first = asyncio.run(_collect(host, ids, params, constraint=spec))
-        text = tok.decode([t for d in first for t in d.token_ids])
+        text = tok.decode([t for d in first for t in d.new_token_ids])
         assert re.fullmatch("[0-9]{2,5}=[a-z]{3}", text) and first[-1].finish_reason == "eos"
         assert first[-1].cached_tokens == 0
         again = asyncio.run(_collect(host, ids, params))
@@ -302,7 +310,7 @@ def test_engine_host_streams_provisional_blocks(ckpt, tok):
         params = DECODE.model_copy(update={"max_new_tokens": 24})
         plain = asyncio.run(_collect(host, ids, params))
         prov = asyncio.run(_collect(host, ids, params.model_copy(update={"provisional": True})))
-        assert [t for d in prov for t in d.token_ids] == [t for d in plain for t in d.token_ids]
+        assert [t for d in prov for t in d.new_token_ids] == [t for d in plain for t in d.new_token_ids]
         blocks = [b for d in prov if d.provisional for b in d.provisional]
         mask = special_token_ids()["mask_token_id"]
         assert blocks and all(len(b) <= 4 for b in blocks) and any(mask in b for b in blocks)

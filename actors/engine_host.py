@@ -2,10 +2,11 @@
 
 The engine loop runs in a process of its own (actors/engine_process.py), so the replica's request handling never
 competes with it for the interpreter lock; the replica talks to it through one connection. Handlers send each
-request there; a reader thread receives each step's outputs and hands a request's committed blocks to its
-handler's asyncio.Queue, one thread-safe call per event loop per step. With tensor_parallel_size > 1 the host
-starts ranks 1.. as `TPWorker` actors in the other bundles of the replica's placement group; the engine process
-leads them through `Lockstep` (see actors/tp_worker.py).
+request there; a reader thread receives each step's outputs and hands a request's `StepOutput`s to its
+handler's asyncio.Queue, one thread-safe call per event loop per step. The request was checked where it entered
+(the ingress) and is checked again where it is served (the engine); the host forwards it unchanged. With
+tensor_parallel_size > 1 the host starts ranks 1.. as `TPWorker` actors in the other bundles of the replica's
+placement group; the engine process leads them through `Lockstep` (see actors/tp_worker.py).
 """
 
 from __future__ import annotations
@@ -15,19 +16,20 @@ import queue
 import subprocess
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors import engine_process
-from actors.tp_worker import ModelSpec, Op, TPWorker, free_port
+from actors.tp_worker import Op, TPWorker, free_port
 from actors.trace import Trace
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.constraints import ConstraintSpec
 from mbd.decoding.outputs import StepOutput
-from mbd.decoding.validate import EngineLimits, validate_request
+from mbd.decoding.spec import ModelSpec
+from mbd.decoding.validate import EngineLimits, RequestError
 
 STATS_TIMEOUT_S = 10.0  # how long `stats()` waits for the engine process (at most a step)
 
@@ -37,38 +39,17 @@ class EngineDead(RuntimeError):
 
 
 @dataclass
-class Delta:
-    """What a request receives per engine step that committed tokens (or finished it)."""
-
-    token_ids: list[int] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    nfe: int = 0
-    num_generated: int = 0
-    logprobs: list[float] | None = None  # of token_ids, when the request asked for them
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    provisional: list[list[int]] | None = None  # the Block Buffer's not-yet-final blocks after these tokens
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # of token_ids: the top (id, logprob) of each
-
-    def merge(self, later: "Delta") -> "Delta":
-        lps = None if later.logprobs is None else (self.logprobs or []) + later.logprobs
-        tops = None if later.top_logprobs is None else (self.top_logprobs or []) + later.top_logprobs
-        return Delta(self.token_ids + later.token_ids, later.finished, later.finish_reason, later.nfe,
-                     later.num_generated, lps, later.cached_tokens, later.provisional, tops)
-
-
-@dataclass
 class _Stream:
-    """One request's way back to its handler. With per_block=False the reader thread merges its blocks and
+    """One request's way back to its handler. With per_block=False the reader thread merges its outputs and
     hands over only the finished whole, so a non-streaming request costs its event loop one wake-up."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     per_block: bool = True
-    held: Delta | None = None  # merged blocks not yet handed over (per_block=False)
+    held: StepOutput | None = None  # merged outputs not yet handed over (per_block=False)
 
 
-def _hand_over(items: list[tuple[_Stream, "Delta | BaseException"]]) -> None:
+def _hand_over(items: list[tuple[_Stream, "StepOutput | BaseException"]]) -> None:
     """Deliver a step's items to their handlers with one thread-safe call per event loop (each call wakes the
     loop); a closed loop (replica shutting down) drops them."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -81,7 +62,7 @@ def _hand_over(items: list[tuple[_Stream, "Delta | BaseException"]]) -> None:
             pass
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, "Delta | BaseException"]]) -> None:
+def _put_all(batch: list[tuple[asyncio.Queue, "StepOutput | BaseException"]]) -> None:
     for q, item in batch:
         q.put_nowait(item)
 
@@ -140,8 +121,8 @@ class EngineHost:
             msg = self._recv()
             if msg[0] == "step":
                 _, outs, refused, stats = msg
-                for rid, reason in refused:
-                    self._fail(rid, ValueError(f"request refused by the engine: {reason}"))
+                for rid, e in refused:
+                    self._fail(rid, RequestError(e.field, f"request refused by the engine: {e}", e.code))
                 self._publish(outs)
                 if stats is not None and self._on_step is not None:
                     self._on_step(stats)
@@ -160,14 +141,12 @@ class EngineHost:
                 s = self._streams.pop(o.request_id, None) if o.finished else self._streams.get(o.request_id)
             if s is None:
                 continue
-            d = Delta(list(o.new_token_ids), o.finished, o.finish_reason, o.nfe, o.num_generated, o.new_logprobs,
-                      o.cached_tokens, o.provisional, o.new_top_logprobs)
             if not s.per_block:
-                d = s.held.merge(d) if s.held is not None else d
+                o = s.held.merge(o) if s.held is not None else o
                 if not o.finished:
-                    s.held = d
+                    s.held = o
                     continue
-            items.append((s, d))
+            items.append((s, o))
         _hand_over(items)
 
     def _fail(self, rid: str, e: BaseException) -> None:
@@ -204,17 +183,6 @@ class EngineHost:
             if done:
                 raise EngineDead(f"tensor-parallel rank exited: {ray.get(done[0])!r}")
 
-    def validate(self, prompt_ids: list[int], params: DecodeConfig) -> None:
-        """Last line of defence (the ingress checks first): the one request check against the engine's limits,
-        plus this deployment's bounds on max_length and max_nfe, so nothing that could crash the engine gets in.
-        A constraint is compiled by the engine process when it admits the request (a refusal fails the request
-        with a ValueError naming the field)."""
-        if not isinstance(params, DecodeConfig):
-            raise ValueError(f"params must be a DecodeConfig, got {type(params).__name__}")
-        if params.max_length > self.decode.max_length or params.max_nfe > self.decode.max_nfe:
-            raise ValueError("max_length and max_nfe cannot exceed the replica's configuration")
-        validate_request(prompt_ids, params, self.decode, self._limits)
-
     def limits(self) -> EngineLimits:
         """What this replica's engine can serve (the ingress checks requests against it before routing them)."""
         return self._limits
@@ -229,12 +197,15 @@ class EngineHost:
         except (EngineDead, queue.Empty):
             return base
 
-    async def generate(self, prompt_ids: list[int], params: DecodeConfig, rid: str | None = None,
-                       per_block: bool = True, constraint: ConstraintSpec | None = None) -> AsyncIterator[Delta]:
-        """Yield the blocks committed since the last yield, merged, until the request finishes (per_block=False:
-        one Delta, the whole generation); leaving early (client gone) aborts it in the engine.
-        rid: the request's id in the engine (unique among its live requests; default a fresh uuid)."""
+    async def generate(self, prompt_ids: list[int], params: DecodeConfig, per_block: bool = True,
+                       rid: str | None = None, constraint: ConstraintSpec | None = None
+                       ) -> AsyncIterator[StepOutput]:
+        """Yield what the engine committed since the last yield, merged, until the request finishes
+        (per_block=False: one StepOutput, the whole generation); leaving early (client gone) aborts it in the
+        engine. rid: the request's id in the engine (unique among its live requests; default a fresh uuid).
+        The engine checks the request when it admits it; a refusal raises RequestError naming the field."""
         rid = rid or uuid.uuid4().hex
+        self.trace.mark(rid, "arrive")
         s = _Stream(asyncio.get_running_loop(), asyncio.Queue(), per_block)
         with self._lock:  # registered under the lock that _fail_all takes: no request can slip past a dying loop
             self.check()
@@ -243,7 +214,7 @@ class EngineHost:
             self._streams[rid] = s
         finished = False
         try:
-            self._send(("add", rid, list(prompt_ids), params, constraint))
+            self._send(("add", rid, prompt_ids, params, constraint))
             while not finished:
                 items = [await s.queue.get()]
                 while not s.queue.empty():
@@ -251,11 +222,11 @@ class EngineHost:
                 for it in items:
                     if isinstance(it, BaseException):
                         raise it
-                d = items[0]
+                out = items[0]
                 for it in items[1:]:
-                    d = d.merge(it)
-                finished = d.finished
-                yield d
+                    out = out.merge(it)
+                finished = out.finished
+                yield out
         finally:
             if not finished:
                 self._abort(rid)
