@@ -56,7 +56,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         health_check_period_s=dec.health_check_period_s,
         health_check_timeout_s=dec.health_check_timeout_s,
         logging_config={"enable_access_log": False},  # an internal hop: the ingress logs the HTTP request
-    ).bind(spec, cfg.decode, cfg.engine)
+    ).bind(spec, cfg.decode, cfg.engine, dec.engine_restarts)
     ing = cfg.ingress
     return OpenAIIngress.options(
         num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,

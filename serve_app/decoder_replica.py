@@ -8,7 +8,7 @@ import os
 
 from ray import serve
 
-from actors.engine_host import EngineHost
+from actors.engine_host import EngineHost, EngineRestarts
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.spec import ModelSpec
 from serve_app.metrics import DecoderMetrics
@@ -17,11 +17,13 @@ from serve_app.metrics import DecoderMetrics
 @serve.deployment
 class Decoder(EngineHost):
     """Engine host replica: `generate` (per_block=False: the whole generation as one StepOutput, so a
-    non-streaming request costs one Ray stream item and one wake-up), `limits`, `stats`, Serve's health check."""
+    non-streaming request costs one Ray stream item and one wake-up), `limits`, `stats`, `engine_state` (for the
+    ingress's /health) and Serve's health check, which fails only once the replica gave up restarting its engine
+    process (a restart in progress keeps the replica, its loaded configuration and its waiting requests)."""
 
-    def __init__(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig):
+    def __init__(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, restarts: EngineRestarts):
         self.metrics = DecoderMetrics()
-        super().__init__(spec, decode, engine, on_step=self.metrics.update)
+        super().__init__(spec, decode, engine, restarts, on_step=self.metrics.update)
 
     def check_health(self) -> None:
         self.check()

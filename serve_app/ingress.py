@@ -43,6 +43,7 @@ from serve_app.protocol import (MASK_GLYPH, AssistantMessage, ChatChoice, ChatCh
 
 log = logging.getLogger("ray.serve")
 INLINE_COST = 1024  # characters or tokens (de)tokenized on the event loop; more go to the tokenizer pool
+HEALTH_TIMEOUT_S = 2.0  # how long /health waits for a decoder replica to say how its engine is
 
 
 def _root(e: BaseException) -> BaseException:
@@ -109,6 +110,18 @@ class OpenAIIngress:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # ---- endpoints ----
+
+    async def health(self) -> str:
+        """The engine state of the decoder replica this call reaches: "ok", "restarting" (it is starting a new
+        engine process; requests wait for it), "failed" (Serve is replacing it), or "unavailable" when no replica
+        answers in time. The ingress itself is up whenever this answers."""
+        call = self._decoder.engine_state.remote()
+        try:
+            return await asyncio.wait_for(call, HEALTH_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - no replica up, or it died: say so, do not fail the probe
+            call.cancel()
+            log.warning("health: no decoder replica answered: %r", e)
+            return "unavailable"
 
     async def models(self) -> ModelList:
         limits = await self._limits()
