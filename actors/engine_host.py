@@ -160,16 +160,18 @@ class EngineHost:
         addr, port = (ray.util.get_node_ip_address(), free_port("")) if world > 1 else ("", 0)
         self._workers = [self._start_worker(r, addr, port) for r in range(1, world)]
         proc, conn = engine_process.start(self.spec, self.decode, self.engine, addr, port)
-        if not conn.poll(self.startup_timeout_s):
+        first = self._recv(conn) if conn.poll(self.startup_timeout_s) else ("error", "no answer within "
+                                                                            f"{self.startup_timeout_s:.0f}s")
+        if first[0] == "ready":
+            return proc, conn, first[1]
+        conn.close()
+        try:
+            proc.wait(timeout=10)  # it exits after reporting its error
+        except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            raise EngineDead(f"engine did not start within {self.startup_timeout_s:.0f}s")
-        first = self._recv(conn)
-        if first[0] != "ready":
-            proc.wait()
-            raise EngineDead(f"engine failed to start ({exit_status(proc.poll())}): "
-                             f"{first[1] if first[0] == 'error' else first!r}")
-        return proc, conn, first[1]
+        raise EngineDead(f"engine failed to start ({exit_status(proc.returncode)}): "
+                         f"{first[1] if first[0] == 'error' else first!r}")
 
     def _start_worker(self, rank: int, addr: str, port: int) -> tuple[object, ray.ObjectRef]:
         pg = ray.util.get_current_placement_group()

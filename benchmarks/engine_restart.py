@@ -6,9 +6,9 @@ starts the benchmark SIGKILLs the decoder replica's engine process (--kill engin
 (--kill replica) or nothing (--kill none). Each request is counted once: ok; failed in-band (its stream had output:
 finish_reason "error", an error event, [DONE]); 503 (with or without Retry-After; a client does not retry it here);
 or unclean (anything else). Printed: the counts, the requests in flight at the kill, the span of the 503s, the
-seconds from the kill to the first content any request got after it (streaming again), to the first content of a
-request sent after it, and to /health "ok" again, the replica's own counts (requests kept and re-admitted, streams
-that had output and failed, restarts), and a JSON line.
+seconds from the kill to the first content of a request that was in flight without output (one the replica kept),
+to the first content of a request sent after it, and to /health "ok" again, the replica's own counts (requests
+kept and re-admitted, streams that had output and failed, restarts), and a JSON line.
 
     python -m benchmarks.engine_restart                      # 64 clients x 24 requests, engine killed at 5 s
     python -m benchmarks.engine_restart --kill replica       # the whole replica instead (Serve replaces it)
@@ -136,8 +136,9 @@ def summarize(records: list[dict], health: list[tuple], killed: float | None) ->
     out["503_without_retry_after"] = count.get("503 without Retry-After", 0)
     if killed is not None:
         out["in_flight_at_kill"] = sum(r["start"] <= killed < r["end"] for r in records)
-        first = [r["first"] for r in records if r["first"] is not None and r["first"] > killed]
-        out["streaming_again_s"] = round(min(first) - killed, 2) if first else None
+        kept = [r["first"] for r in records if r["start"] <= killed < r["end"] and r["outcome"] == "ok"
+                and r["first"] is not None and r["first"] > killed]  # no output from the killed engine
+        out["kept_answering_s"] = round(min(kept) - killed, 2) if kept else None
         after = [r["first"] for r in records if r["start"] > killed and r["first"] is not None]
         out["answering_new_s"] = round(min(after) - killed, 2) if after else None
         down = [t for t, code, status in health if t > killed and (code != 200 or status != "ok")]
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.clients} clients x {args.requests} streaming requests (max_tokens {args.max_tokens}), kill "
           f"{args.kill} at {args.kill_at:.0f} s: {out['outcomes']}; 503 span {out['span_503_s']} s "
           f"({out['503_without_retry_after']} without Retry-After); in flight at the kill "
-          f"{out.get('in_flight_at_kill')}; streaming again after {out.get('streaming_again_s')} s, a new request "
+          f"{out.get('in_flight_at_kill')}; a kept request answering after {out.get('kept_answering_s')} s, a new one "
           f"after {out.get('answering_new_s')} s, /health ok again after {out.get('health_ok_again_s')} s; replica "
           f"{out['replica']}; wall {out['wall_s']} s, load {out['load']:.1f}")
     print(json.dumps(out))
