@@ -8,7 +8,7 @@ the tiny model a replica with the engine in a thread served 0.6x the requests of
 process the engine steps at its own speed while the replica's Python runs beside it (vLLM V1 splits its engine
 core from its API server for the same reason).
 
-The replica (actors/decoder.py `EngineHost`) starts `python -m actors.engine_process` with one end of a socket pair
+The replica (actors/engine_host.py `EngineHost`) starts `python -m actors.engine_process` with one end of a socket pair
 and talks to it through that one connection. In: the ops of `actors.tp_worker.Op` and ("stats",). Out: ("ready",
 EngineLimits) once, then per step that has something to say ("step", outputs, refusals, stats or None), ("stats",
 dict) when asked, or ("error", message) before exiting. The process ends when the replica sends ("stop",) or when
@@ -26,11 +26,11 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from actors.tp_worker import Lockstep, ModelSpec, Op, init_tp
+from actors.tp_worker import Lockstep, Op, init_tp
 from actors.trace import Trace
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.engine import Engine
-from mbd.decoding.spec import build_engine
+from mbd.decoding.spec import ModelSpec, build_engine
 
 ON_STEP_S = 0.5  # stats ride along with a step's outputs at most this often (a step can take a millisecond)
 IDLE_TICK_S = 1.0  # an idle rank 0 still broadcasts this often, so follower ranks never hit a collective timeout

@@ -11,35 +11,20 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
-from pathlib import Path
 
 import ray
 import torch
 import torch.distributed as dist
-from pydantic import Field
 
-from mbd.config import DecodeConfig, EngineConfig, StrictModel
+from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.engine import Engine, StepOutput
-from mbd.decoding.spec import build_engine, model_dir
+from mbd.decoding.spec import ModelSpec, build_engine
+from mbd.decoding.validate import RequestError
 from mbd.model import TPGroup
 
 # Ops broadcast from rank 0: ("add", request_id, prompt_ids, DecodeConfig, ConstraintSpec | None) |
 # ("abort", request_id) | ("stop",)
 Op = tuple
-
-
-class ModelSpec(StrictModel):
-    """A served model: its weights, the replica's name, tensor parallelism and resources per rank (how the
-    engine runs is the serve config's `engine:` section)."""
-
-    path: str = Field(description="model directory: config.json, *.safetensors, tokenizer.json")
-    name: str = Field(default="mbd-tiny", min_length=1, description="the `model` id clients send")
-    tensor_parallel_size: int = Field(default=1, ge=1, le=8)
-    num_cpus_per_rank: float = Field(default=1.0, gt=0)
-    num_gpus_per_rank: float = Field(default=0.0, ge=0)
-
-    def resolved_path(self) -> Path:
-        return model_dir(self.path)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -80,17 +65,19 @@ class Lockstep:
         dist.broadcast_object_list(box, src=0, group=self.ctrl)
         return box[0]
 
-    def apply(self, ops: list[Op]) -> list[tuple[str, str]]:
-        """Apply ops in order; return the admissions the engine refused as (request_id, reason). Every rank
-        refuses the same ones (same ops, same state), so a refusal never breaks the lockstep."""
+    def apply(self, ops: list[Op]) -> list[tuple[str, RequestError]]:
+        """Apply ops in order; return the admissions the engine's request check refused, as (request_id, the
+        error naming the field). Every rank refuses the same ones (same ops, same state), so a refusal never
+        breaks the lockstep."""
         refused = []
         for op in ops:
             if op[0] == "add":
                 try:
                     self.engine.add_request(op[2], op[3], request_id=op[1], constraint=op[4])
                     self.live.add(op[1])
-                except ValueError as e:
-                    refused.append((op[1], str(e)))
+                except ValueError as e:  # RequestError, or ConstraintError (which names its field too)
+                    refused.append((op[1], e if isinstance(e, RequestError) else
+                                    RequestError(getattr(e, "field", None), str(e))))
             elif op[0] == "abort" and op[1] in self.live:
                 self.engine.abort(op[1])
                 self.live.discard(op[1])

@@ -142,7 +142,7 @@ async def run_http_stream(url: str, model: str, messages: list[list[dict]], conc
     return out | {"ttft_p50_ms": 1e3 * statistics.median(ttft), "itl_p50_ms": 1e3 * statistics.median(itl)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(REPO / "configs" / "serve" / "tiny.yaml"))
     p.add_argument("--model", help="model directory (default: the config's model.path)")
@@ -152,26 +152,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
     p.add_argument("--rounds", type=int, default=2, help="alternating direct/HTTP rounds; the best is kept")
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    return p.parse_args(argv)
 
+
+def served_config(args: argparse.Namespace) -> ServeConfig:
+    """The serve config with the model the arguments name (a random one of `--size`, or `--model`)."""
     cfg: ServeConfig = load_serve_config(args.config)
     if args.size:
         args.model = str(random_model(args.size, Path(tempfile.mkdtemp(prefix=f"sdar_{args.size}_"))))
     if args.model:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": args.model})})
-    path = cfg.model.resolved_path()
-    if not (path / "config.json").is_file():
-        p.error(f"no model at {path}: train it (`mbd pretrain-tiny`) or pass --model DIR")
-    n_max = max(max(16, c * args.per_client) for c in args.concurrency)
-    questions = [r["question"] for r in tiny_problems("heldout", n_max, seed=0)]
-    messages = [[{"role": "user", "content": q}] for q in questions]
+    if not (cfg.model.resolved_path() / "config.json").is_file():
+        raise SystemExit(f"no model at {cfg.model.resolved_path()}: train it (`mbd pretrain-tiny`) or pass --model DIR")
+    return cfg
 
-    model, mcfg = load_checkpoint(path)
-    tok = Tokenizer.from_dir(path, mcfg)
-    engine = Engine(model, tok, cfg.decode, EngineConfig(max_batch_rows=cfg.engine.max_batch_rows))
-    ids = [tok.encode_chat(m) for m in messages]
 
+def run_levels(args: argparse.Namespace, cfg: ServeConfig, engine: Engine, ids: list[list[int]],
+               messages: list[list[dict]]) -> dict[int, dict]:
+    """Per concurrency level: direct and HTTP rounds alternated, the best of each kept, with the load average."""
     import ray
     from ray import serve
 
@@ -198,8 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
+    return results
 
-    print(f"model {args.size or path.name}, buffer_size {cfg.decode.buffer_size}, max_batch_rows "
+
+def report(args: argparse.Namespace, cfg: ServeConfig, results: dict[int, dict]) -> None:
+    """The table of HTTP against direct per level, and every number as one JSON line."""
+    print(f"model {args.size or cfg.model.resolved_path().name}, buffer_size {cfg.decode.buffer_size}, max_batch_rows "
           f"{cfg.engine.max_batch_rows}, max_tokens {args.max_tokens}, torch threads 1, Ray CPUs {args.cpus}, "
           f"best of {args.rounds} alternating rounds; load = 1-min load average during the level "
           f"({os.cpu_count()} CPUs)")
@@ -212,6 +214,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {c} | {d['req_per_s']:.1f} | {h['req_per_s']:.1f} | {r['http_over_direct']['throughput']:.2f} | "
               f"{d['p50_ms']:.0f} ms | {h['p50_ms']:.0f} ms | {h['p50_ms'] - d['p50_ms']:+.0f} ms | {r['load']:.1f} |")
     print(json.dumps({str(c): r for c, r in results.items()}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    cfg = served_config(args)
+    path = cfg.model.resolved_path()
+    n_max = max(max(16, c * args.per_client) for c in args.concurrency)
+    questions = [r["question"] for r in tiny_problems("heldout", n_max, seed=0)]
+    messages = [[{"role": "user", "content": q}] for q in questions]
+    model, mcfg = load_checkpoint(path)
+    tok = Tokenizer.from_dir(path, mcfg)
+    engine = Engine(model, tok, cfg.decode, EngineConfig(max_batch_rows=cfg.engine.max_batch_rows))
+    report(args, cfg, run_levels(args, cfg, engine, [tok.encode_chat(m) for m in messages], messages))
     return 0
 
 

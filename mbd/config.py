@@ -256,19 +256,23 @@ class EngineConfig(StrictModel):
         compile = self.compile if self.compile != "auto" else ("default" if cuda else "off")
         return attention, compile, self.cuda_graphs == "on" or (self.cuda_graphs == "auto" and cuda)
 
-    def torch_device(self):
-        """The device a checkpoint is loaded on ("auto": cuda if available)."""
+    def torch_device(self, own=None):
+        """The engine's device, the one place "auto" is resolved: `own` (the device of a model handed to the
+        Engine, which stays there), else cuda if available (where a checkpoint is loaded)."""
         import torch
 
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return own if own is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device("cuda", 0) if self.device == "cuda" else torch.device("cpu")
 
-    def torch_dtype(self):
-        """The dtype a checkpoint is loaded in ("auto": bfloat16 on cuda, float32 on cpu)."""
+    def torch_dtype(self, own=None):
+        """The engine's dtype, the one place "auto" is resolved: `own` (the dtype of a model handed to the Engine,
+        which keeps it), else bfloat16 on cuda and float32 on cpu (a checkpoint is loaded in it)."""
         import torch
 
         if self.dtype == "auto":
+            if own is not None:
+                return own
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return parse_dtype(self.dtype)
 

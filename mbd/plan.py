@@ -132,13 +132,6 @@ class ServeShape:
     prefill_chunk: int = 512
 
 
-def buckets_for(rows: int) -> tuple[int, ...]:
-    """The engine's default batch buckets: powers of two below `rows`, then `rows`."""
-    out, b = [], 1
-    while b < rows:
-        out.append(b)
-        b *= 2
-    return (*out, rows)
 
 
 def layer_activation(cfg: ModelConfig, tp: int, e: int, rows: int, width: int, span: int, attention: str) -> int:
@@ -238,10 +231,11 @@ def _graph_item(cfg: ModelConfig, shape: ServeShape, decode: DecodeConfig, e: in
     into one shared pool and writes every graph's logits into one buffer: the largest forward's peak, that buffer
     and each graph's small window output."""
     from mbd.decoding.runner import decode_shapes
+    from mbd.decoding.scheduler import power_of_two_buckets
 
     if not shape.cuda_graphs:
         return Item("CUDA-Graph pools", 0, "off (no CUDA Graphs)")
-    shapes = decode_shapes(shape.batch_buckets or buckets_for(shape.max_batch_rows), decode.buffer_size)
+    shapes = decode_shapes(shape.batch_buckets or power_of_two_buckets(shape.max_batch_rows), decode.buffer_size)
     peak = max(decode_activation(cfg, shape.tp, e, b, s, 0, a, "flex") for b, s, a in shapes)
     outputs = sum(b * a * cfg.block_size * 8 for b, _, a in shapes)  # each graph's static window (int64 positions)
     logits = shape.max_batch_rows * decode.buffer_size * cfg.block_size * cfg.vocab_size * e

@@ -13,8 +13,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from mbd.config import (REPO_ROOT, ConfigError, DecodeConfig, EngineConfig, ModelConfig, parse_dtype, read_json,
-                        resolve_path)
+from mbd.config import REPO_ROOT, ConfigError, DecodeConfig, EngineConfig, ModelConfig, read_json, resolve_path
 from mbd.plan import H100_80GB, DeviceMemory, Plan, ServeShape, TrainShape, refuse_unless_fits, serve_plan, train_plan
 from mbd.train_config import TrainConfig
 
@@ -48,9 +47,9 @@ def device_memory(cuda: bool) -> DeviceMemory:
 
 def serve_shape(engine: EngineConfig, tp: int) -> ServeShape:
     """The memory-relevant settings of an engine config at tensor-parallel size `tp`."""
-    cuda = engine.device == "cuda" or (engine.device == "auto" and torch.cuda.is_available())
-    dtype = (torch.bfloat16 if cuda else torch.float32) if engine.dtype == "auto" else parse_dtype(engine.dtype)
-    attention, compile, graphs = engine.decode_path(torch.device("cuda" if cuda else "cpu"))
+    device = engine.torch_device()
+    cuda, dtype = device.type == "cuda", engine.torch_dtype()
+    attention, compile, graphs = engine.decode_path(device)
     # eager flex materialises the scores as the math kernel does
     attention = "sdpa" if attention == "flex" and compile == "off" else attention
     return ServeShape(tp=tp, dtype=dtype, cuda=cuda, max_batch_rows=engine.max_batch_rows,

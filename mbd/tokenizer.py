@@ -11,7 +11,6 @@ The family decides the format:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal, Sequence
 
@@ -115,9 +114,3 @@ class Tokenizer:
         segs = chat_segments(messages, self.family, add_generation_prompt)
         return [t for text, content in segs for t in self.encode(text, special=not content)]
 
-
-def save_tokenizer_json(tok: HFTokenizer, path: str | Path, extra: dict | None = None) -> None:
-    d = Path(path)
-    d.mkdir(parents=True, exist_ok=True)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps(extra or {}, indent=2))

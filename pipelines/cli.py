@@ -7,14 +7,15 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "quickstart": ("pipelines.quickstart", "run the whole pipeline on the embedded tiny model (expand, train, eval, serve)"),
+    "quickstart": ("pipelines.quickstart",
+                   "run the whole pipeline on the embedded tiny model (expand, train, eval, serve)"),
     "reproduce": ("pipelines.reproduce", "small-scale reproduction of the paper's claims on the tiny model"),
     "expand": ("pipelines.expand_layouts", "Ray Data: expand a corpus into MultiTF group-layouts (Parquet)"),
     "train": ("pipelines.train_multitf", "Ray Train + DeepSpeed: MultiTF post-training from a YAML config"),
     "pretrain-tiny": ("pipelines.pretrain_tiny", "train the embedded tiny BD-LM from scratch (block-diffusion TF)"),
     "export": ("pipelines.export", "export a training checkpoint to a HuggingFace safetensors directory"),
     "generate": ("pipelines.generate", "decode prompts with SingleBD / MultiBD (Block Buffer engine)"),
-    "serve": ("serve_app.run", "start the OpenAI-compatible Ray Serve application"),
+    "serve": ("pipelines.serve", "start the OpenAI-compatible Ray Serve application"),
     "eval": ("pipelines.eval_sweep", "evaluation sweep: models x decoding configs x benchmarks"),
     "plan": ("pipelines.plan", "per-rank memory plan of a serve or train config (weights, KV pool, ZeRO states)"),
     "forward": ("pipelines.forward", "one forward pass of a model directory (smoke test)"),

@@ -102,23 +102,12 @@ def _exit_on_sigterm(*_: object) -> None:
 
 
 @contextmanager
-def _command_handles_sigterm() -> Iterator[None]:
-    """Keeps the command's SIGTERM handler (else: exit through the `finally` blocks) across `ray.init`, which
-    installs Ray's own: that one ends the node's processes, but not the agents under its raylet, and exits."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    own = signal.getsignal(signal.SIGTERM)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, _exit_on_sigterm if own in (signal.SIG_DFL, None) else own)
-
-
-@contextmanager
 def ray_cluster(address: str | None = None, num_cpus: int | None = None, **init_kwargs: Any) -> Iterator[bool]:
     """Reuse a connected Ray, else `init_ray`; yields whether it started a cluster, which it alone shuts down,
-    ending every process of it still alive afterwards."""
+    ending every process of it still alive afterwards.
+    The command's SIGTERM handler is saved once, here: `ray.init` installs Ray's own (which ends the node's
+    processes, but not the agents under its raylet, and exits), so the command's is put back for the session
+    (none: exit through the `finally` blocks, this one included), and the handler from before on the way out."""
     import ray
 
     if ray.is_initialized():
@@ -126,17 +115,19 @@ def ray_cluster(address: str | None = None, num_cpus: int | None = None, **init_
         return
     me = psutil.Process()
     before = {p.pid for p in me.children()}
-    main = threading.current_thread() is threading.main_thread()
-    own = signal.getsignal(signal.SIGTERM) if main else None
-    with _command_handles_sigterm():
-        started = init_ray(address, num_cpus, **init_kwargs)
-    ours = [p.pid for p in me.children() if p.pid not in before] if started else []
+    own = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     try:
-        yield started
+        started = init_ray(address, num_cpus, **init_kwargs)
+        if own is not None:
+            signal.signal(signal.SIGTERM, _exit_on_sigterm if own in (signal.SIG_DFL, None) else own)
+        ours = [p.pid for p in me.children() if p.pid not in before] if started else []
+        try:
+            yield started
+        finally:
+            procs = descendants(ours)  # taken before shutdown: orphans can no longer be found
+            ray.shutdown()
+            end_processes(procs)
     finally:
-        procs = descendants(ours)  # taken before shutdown: orphans can no longer be found
-        ray.shutdown()
-        end_processes(procs)
         if own is not None:
             signal.signal(signal.SIGTERM, own)
 

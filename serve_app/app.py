@@ -2,12 +2,13 @@
 
 - `OpenAIIngress` (serve_app/ingress.py; CPU, cheap) validates and tokenizes requests, detokenizes committed
   blocks into text, applies stop strings and speaks HTTP/SSE. Nothing malformed gets past it.
-- `Decoder` (serve_app/decoder.py) hosts the Block Buffer engine (actors/decoder.py): one replica = one placement
-  group = tensor_parallel_size ranks. It streams each request's committed blocks back to the ingress.
+- `Decoder` (serve_app/decoder_replica.py) is the host of a Block Buffer engine process (actors/engine_host.py):
+  one replica = one placement group = tensor_parallel_size ranks. It streams each request's committed blocks back
+  to the ingress as the engine's `StepOutput`s.
 
 Splitting them lets GPU replicas scale on `target_ongoing_requests` while HTTP stays on CPU, and lets the
 decoder's `max_queued_requests` back-pressure surface as a clean 503 with Retry-After.
-`serve run serve_app.app:build_app config=configs/serve/tiny.yaml` or `mbd serve --config ...`.
+`serve run serve_app.app:build_app config=configs/serve/tiny.yaml` or `mbd serve --config ...` (pipelines/serve.py).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import load_serve_config
-from serve_app.decoder import Decoder
+from serve_app.decoder_replica import Decoder
 from serve_app.ingress import OpenAIIngress
 
 # Ray Serve's documented switches (its performance guide): a replica runs our handlers, and routes its calls to
 # the decoder, on its main event loop instead of two extra threads. Our handlers never block their loop (big
-# (de)tokenization runs in a pool; the engine has its own thread), and each request would otherwise cross
-# threads, and contend for the GIL, several times per hop.
+# (de)tokenization runs in a pool; the engine runs in a process of its own, read by one thread), and each request
+# would otherwise cross threads, and contend for the GIL, several times per hop.
 ONE_LOOP = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                          "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}}
 
@@ -55,7 +56,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         health_check_period_s=dec.health_check_period_s,
         health_check_timeout_s=dec.health_check_timeout_s,
         logging_config={"enable_access_log": False},  # an internal hop: the ingress logs the HTTP request
-    ).bind(spec, cfg.decode, cfg.engine)
+    ).bind(spec, cfg.decode, cfg.engine, dec.engine_restarts)
     ing = cfg.ingress
     return OpenAIIngress.options(
         num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,

@@ -1,8 +1,8 @@
 """One choice = one engine request seen from the ingress: its decoder stream, released text and token accounting.
 
-The decoder streams committed token ids; a `Choice` turns them into text `Piece`s (stop strings applied,
-detokenization off the event loop), and `merge` interleaves the pieces of several choices (n > 1, prompt lists).
-Leaving a stream early (client gone, stop string hit) aborts its request in the engine.
+The decoder streams the engine's `StepOutput`s (committed token ids); a `Choice` turns them into text `Piece`s
+(stop strings applied, detokenization off the event loop), and `merge` interleaves the pieces of several choices
+(n > 1, prompt lists). Leaving a stream early (client gone, stop string hit) aborts its request in the engine.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
-from actors.decoder import Delta
 from actors.trace import Trace
+from mbd.decoding.outputs import StepOutput
 from mbd.detokenize import TextStream
 from serve_app.protocol import MBDStats, PromptTokensDetails, Usage
 
@@ -22,7 +22,9 @@ Sync = Callable[..., Awaitable]  # sync(cost, fn, *args): fn(*args), off the eve
 
 @dataclass
 class Piece:
-    """Text released for one choice, with the tokens (and log-probabilities) that produced it."""
+    """Text released for one choice, with the tokens (and log-probabilities) that produced it: what the SSE
+    writer sends, the engine's StepOutputs after detokenization and stop strings (a stop string may hold
+    tokens back or cut them, so these are not the StepOutput's tokens)."""
 
     index: int
     text: str
@@ -35,13 +37,13 @@ class Piece:
 
 
 class Choice:
-    """One engine request (id `rid`): `deltas` is its decoder stream after the `first` delta (already awaited),
-    `cancel` aborts it."""
+    """One engine request (id `rid`): `outputs` is its decoder stream after the `first` output (already
+    awaited), `cancel` aborts it."""
 
-    def __init__(self, rid: str, index: int, prompt: list[int], text: TextStream, deltas: AsyncIterator[Delta],
-                 cancel: Callable[[], None], first: Delta, trace: Trace):
+    def __init__(self, rid: str, index: int, prompt: list[int], text: TextStream, outputs: AsyncIterator[StepOutput],
+                 cancel: Callable[[], None], first: StepOutput, trace: Trace):
         self.rid, self.index, self.prompt, self.text, self.trace = rid, index, prompt, text, trace
-        self.deltas, self.cancel = deltas, cancel
+        self.outputs, self.cancel = outputs, cancel
         self.first = self.last = first
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
@@ -57,32 +59,32 @@ class Choice:
 
     def _piece(self, text: str, upto: int, finish: str | None) -> Piece:
         ids = self.text.token_ids[self.sent:upto]
-        lps = self.logprobs[self.sent:upto] if self.last.logprobs is not None else None
-        tops = self.top_logprobs[self.sent:upto] if self.last.top_logprobs is not None else None
+        lps = self.logprobs[self.sent:upto] if self.last.new_logprobs is not None else None
+        tops = self.top_logprobs[self.sent:upto] if self.last.new_top_logprobs is not None else None
         self.sent = max(self.sent, upto)
         return Piece(self.index, text, ids, lps, finish, top_logprobs=tops)
 
     async def pieces(self, sync: Sync) -> AsyncIterator[Piece]:
         """Pieces until the engine finishes or a stop string is hit (detokenization runs through `sync`: a large
-        delta off the event loop); leaving early (client gone) aborts the request in the engine."""
+        output off the event loop); leaving early (client gone) aborts the request in the engine."""
         done, received = False, 0
         try:
-            d: Delta | None = self.first
-            while d is not None:
-                received += len(d.token_ids)
+            o: StepOutput | None = self.first
+            while o is not None:
+                received += len(o.new_token_ids)
                 self.trace.mark(self.rid, "delta", received)
-                self.last = d
-                self.logprobs += d.logprobs or []
-                self.top_logprobs += d.top_logprobs or []
-                text, upto = await sync(len(d.token_ids), self._push, d.token_ids)
-                if text or d.provisional:
+                self.last = o
+                self.logprobs += o.new_logprobs or []
+                self.top_logprobs += o.new_top_logprobs or []
+                text, upto = await sync(len(o.new_token_ids), self._push, o.new_token_ids)
+                if text or o.provisional:
                     p = self._piece(text, upto, None)
-                    p.provisional, p.committed = d.provisional, received
+                    p.provisional, p.committed = o.provisional, received
                     yield p
-                done = d.finished
+                done = o.finished
                 if done or self.text.stopped:
                     break
-                d = await anext(self.deltas, None)
+                o = await anext(self.outputs, None)
             tail, upto = await sync(0, self._finish)
             yield self._piece(tail, upto, self.finish_reason)
         finally:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from actors.tp_worker import ModelSpec
+from actors.engine_host import EngineRestarts
 from mbd.config import DecodeConfig, EngineConfig, StrictModel, load_yaml
+from mbd.decoding.spec import ModelSpec
 
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
@@ -53,6 +54,8 @@ class DecoderDeployment(StrictModel):
     retry_after_s: float = Field(default=1.0, ge=0)
     replica_retries: int = Field(default=2, ge=0, description="times a request is started again when its replica "
                                                               "died before the client got any of its tokens")
+    engine_restarts: EngineRestarts = Field(default=EngineRestarts(), description=(
+        "how a replica restarts its engine process when it exits, and when it gives up (then Serve replaces it)"))
     autoscaling: Autoscaling = Autoscaling()
     health_check_period_s: float = Field(default=10, gt=0)
     health_check_timeout_s: float = Field(default=30, gt=0)

@@ -1,9 +1,11 @@
 """Request conversion: an OpenAI request becomes prompt token ids and one `DecodeConfig` per engine request.
 
-The checks here are the ones only the HTTP layer can make: which model the request names, fields OpenAI has
-and a diffusion LM cannot honour, and this deployment's limits (max_tokens, temperature, Block Buffer, choices).
-Prompt ids and the whole request go through the engine's own check (`mbd.decoding.validate`, against the limits
-a decoder replica reports), in the HTTP field names.
+This is where a request enters, so it is checked here, once, in HTTP names: the checks only the HTTP layer can
+make (which model the request names, fields OpenAI has and a diffusion LM cannot honour, this deployment's
+bounds on max_tokens, temperature and choices), then the engine's own rules (`mbd.decoding.validate`, against
+the limits a decoder replica reports). A structured-output constraint is parsed here into its `ConstraintSpec`
+(naming the field it came from) and compiled by the engine that serves it, once; what the engine cannot honour
+comes back as a 400 naming that field before any byte of the answer is sent.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mbd.config import DecodeConfig, ModelConfig
-from mbd.decoding.constraints import ConstraintError, ConstraintSpec, GrammarVocab
+from mbd.config import DecodeConfig
+from mbd.decoding.constraints import ConstraintError, ConstraintSpec
 from mbd.decoding.validate import EngineLimits, RequestError, validate_prompt, validate_request
 from mbd.tokenizer import Tokenizer, TokenizerError
 from serve_app.config import ServeConfig
@@ -25,12 +27,10 @@ MBD_FIELDS = ("buffer_size", "tau_add", "tau_semi", "tau_stable", "tau_m2t", "ta
 class RequestConverter:
     """`limits`: the engine's, as a decoder replica reports them (the ingress sets them before the first request)."""
 
-    def __init__(self, cfg: ServeConfig, model_cfg: ModelConfig, tok: Tokenizer):
-        self.cfg, self.model_cfg, self.tok = cfg, model_cfg, tok
+    def __init__(self, cfg: ServeConfig, tok: Tokenizer):
+        self.cfg, self.tok = cfg, tok
         self.limits: EngineLimits | None = None
         self.name = cfg.model.name
-        self.max_len = min(cfg.decode.max_length, model_cfg.max_position_embeddings)
-        self._grammar: GrammarVocab | None = None
 
     def check_model(self, req: SamplingFields) -> None:
         if req.model != self.name:
@@ -93,35 +93,22 @@ class RequestConverter:
         return ids
 
     def check_ids(self, ids: list[int], field: str) -> None:
-        """The engine's prompt check, then this deployment's context (a 400 with OpenAI's code for it)."""
+        """The engine's prompt check (ids, the context), in this field's name."""
         assert self.limits is not None, "the ingress sets the engine's limits before converting requests"
         try:
             validate_prompt(ids, self.limits, {"prompt_ids": field})
         except RequestError as e:
-            raise APIError(400, str(e), e.field) from e
-        if len(ids) >= self.max_len:
-            raise APIError(400, f"'{field}' is {len(ids)} tokens; this model's context is {self.max_len} tokens, "
-                                f"so at most {self.max_len - 1} prompt tokens fit", field,
-                           code="context_length_exceeded")
+            raise bad_request(e) from e
 
-    # ---- structured output (runs in the tokenizer pool: compiling a schema takes milliseconds) ----
+    # ---- structured output ----
 
     def constraint(self, req: SamplingFields) -> ConstraintSpec | None:
-        """The request's one structured-output constraint, compiled against this model's vocabulary here so
-        that what cannot be honoured is a 400 naming the field (and the schema feature) before decoding."""
+        """The request's one structured-output constraint (the engine compiles it when it admits the request)."""
         specs = self._constraints(req)
         if len(specs) > 1:
             raise APIError(400, f"{specs[0].field} and {specs[1].field} both constrain the output: send one",
                            specs[1].field)
-        if not specs:
-            return None
-        if self._grammar is None:
-            self._grammar = GrammarVocab(self.tok.tok, self.model_cfg.vocab_size, self.tok.stop_token_ids)
-        try:
-            self._grammar.compile(specs[0])
-        except ConstraintError as e:
-            raise APIError(400, str(e), e.field) from e
-        return specs[0]
+        return specs[0] if specs else None
 
     @staticmethod
     def _constraints(req: SamplingFields) -> list[ConstraintSpec]:
@@ -144,13 +131,14 @@ class RequestConverter:
     # ---- decoding parameters ----
 
     def check_request(self, ids: list[int], params: DecodeConfig, prompt_field: str, req: SamplingFields) -> None:
-        """The engine's whole request check (room to generate, the KV pool, the Block Buffer) in HTTP names."""
+        """The engine's whole request check (the Block Buffer, room to generate, the KV pool) in HTTP names; a
+        max_tokens that does not fit the context is refused, not cut."""
         assert self.limits is not None
         names = {"prompt_ids": prompt_field, "max_new_tokens": req.token_limit()[1]}
         try:
-            validate_request(ids, params, self.cfg.decode, self.limits, names)
+            validate_request(ids, params, self.cfg.decode, self.limits, names, whole=True)
         except RequestError as e:
-            raise APIError(400, str(e), e.field) from e
+            raise bad_request(e) from e
 
     def check_choices(self, req: SamplingFields, n_prompts: int) -> None:
         if n_prompts * req.n > self.cfg.limits.max_choices:
@@ -164,23 +152,17 @@ class RequestConverter:
             if getattr(req, name) not in (None, 0):
                 raise APIError(400, f"{name}={getattr(req, name)} is not supported: a diffusion LM decodes blocks in "
                                     "parallel, so no token history penalty applies; only 0 is accepted", name)
-        room = self.max_len - n_prompt
-        cap = min(d.max_new_tokens, room)
+        assert self.limits is not None
+        cap = min(d.max_new_tokens, self.limits.max_length - n_prompt)  # the default: what fits
         limit, field = req.token_limit()
         if req.max_tokens is not None and limit != req.max_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens differ: send one of them", "max_tokens")
         max_tokens = limit if limit is not None else min(lim.default_max_tokens or cap, cap)
         if max_tokens > d.max_new_tokens:
             raise APIError(400, f"{field}={max_tokens} exceeds this deployment's limit of {d.max_new_tokens}", field)
-        if max_tokens > room:
-            raise APIError(400, f"prompt ({n_prompt} tokens) + {field} ({max_tokens}) exceeds the context "
-                                f"length {self.max_len}", field, code="context_length_exceeded")
         if req.temperature is not None and req.temperature > lim.max_temperature:
             raise APIError(400, f"temperature={req.temperature} exceeds the maximum {lim.max_temperature}",
                            "temperature")
-        if req.buffer_size is not None and req.buffer_size > d.buffer_size:
-            raise APIError(400, f"buffer_size={req.buffer_size} exceeds the deployment's Block Buffer of "
-                                f"{d.buffer_size} slots", "buffer_size")
         if any(not s for s in req.stop_list()):
             raise APIError(400, "'stop' strings must not be empty", "stop")
         update: dict[str, Any] = {k: getattr(req, k) for k in MBD_FIELDS if getattr(req, k) is not None}
@@ -200,6 +182,11 @@ class RequestConverter:
             err = e.errors()[0]
             param = field_path(tuple(err["loc"]))
             raise APIError(400, f"invalid decoding parameters: {err['msg']}", param or "buffer_size") from e
+
+
+def bad_request(e: RequestError) -> APIError:
+    """The engine's refusal as a 400 naming the field (with OpenAI's code, where it has one)."""
+    return APIError(400, str(e), e.field, code=e.code)
 
 
 def _spec(kind: str, value: Any, field: str) -> ConstraintSpec:

@@ -21,19 +21,21 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from actors.decoder import Delta, EngineDead
+from actors.engine_host import EngineDead
 from actors.trace import Trace
 from mbd.config import DecodeConfig, ModelConfig, read_json
 from mbd.decoding.constraints import ConstraintSpec
+from mbd.decoding.outputs import StepOutput
+from mbd.decoding.validate import EngineLimits, RequestError
 from mbd.detokenize import TextStream
 from mbd.tokenizer import Tokenizer
 from serve_app import sse
 from serve_app.choices import Choice, Piece, mbd_stats, merge, usage
 from serve_app.config import ServeConfig
-from serve_app.convert import RequestConverter
+from serve_app.convert import RequestConverter, bad_request
 from serve_app.errors import overloaded, unavailable
 from serve_app.metrics import IngressMetrics
-from serve_app.protocol import (MASK_GLYPH, APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+from serve_app.protocol import (MASK_GLYPH, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                 ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, CompletionChoice,
                                 CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, MBDStats,
                                 ModelCard, ModelList, Provisional, ProvisionalBlock, SamplingFields, TokenLogprob,
@@ -41,6 +43,7 @@ from serve_app.protocol import (MASK_GLYPH, APIError, AssistantMessage, ChatChoi
 
 log = logging.getLogger("ray.serve")
 INLINE_COST = 1024  # characters or tokens (de)tokenized on the event loop; more go to the tokenizer pool
+HEALTH_TIMEOUT_S = 2.0  # how long /health waits for a decoder replica to say how its engine is
 
 
 def _root(e: BaseException) -> BaseException:
@@ -59,12 +62,7 @@ def _size(prompt: str | list) -> int:
         sum(_size(p) for p in prompt)
 
 
-def _constrained(req: SamplingFields) -> bool:
-    return any(getattr(req, f) is not None for f in ("response_format", "structured_outputs", "guided_json",
-                                                     "guided_regex", "guided_choice", "guided_grammar"))
-
-
-async def _first(gen: DeploymentResponseGenerator) -> Delta:
+async def _first(gen: DeploymentResponseGenerator) -> StepOutput:
     """The stream's first item (a handle may raise BackPressureError before it returns an awaitable)."""
     return await gen.__anext__()
 
@@ -80,11 +78,9 @@ class OpenAIIngress:
         self._decoder = decoder
         self.cfg = cfg
         path = cfg.model.resolved_path()
-        model_cfg = ModelConfig.from_hf(read_json(path / "config.json"))
-        self.tok = Tokenizer.from_dir(path, model_cfg)
-        self.convert = RequestConverter(cfg, model_cfg, self.tok)
+        self.tok = Tokenizer.from_dir(path, ModelConfig.from_hf(read_json(path / "config.json")))
+        self.convert = RequestConverter(cfg, self.tok)
         self.name = cfg.model.name
-        self.max_len = self.convert.max_len
         self.metrics = IngressMetrics()
         self.trace = Trace("ingress")
         # tokenization and detokenization run here, so that one huge prompt cannot stall the event loop
@@ -95,7 +91,7 @@ class OpenAIIngress:
 
         return http_app(self, api_key=self.cfg.http.api_key or os.environ.get("MBD_API_KEY") or None)
 
-    async def _limits(self) -> None:
+    async def _limits(self) -> EngineLimits:
         """The engine's limits, asked of a decoder replica once (every replica serves the same model and config)."""
         if self.convert.limits is None:
             try:
@@ -103,6 +99,7 @@ class OpenAIIngress:
             except Exception as e:  # noqa: BLE001 - no replica is up yet
                 log.error("decoder unavailable: %r", e)
                 raise unavailable("decoder unavailable; retry later", self.cfg.decoder.retry_after_s) from e
+        return self.convert.limits
 
     async def _sync(self, cost: int, fn: Callable, *args: Any) -> Any:
         """fn(*args), inline when its input is small (cost: characters or tokens), else in the tokenizer pool:
@@ -114,8 +111,21 @@ class OpenAIIngress:
 
     # ---- endpoints ----
 
-    def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.name, created=now(), max_model_len=self.max_len)])
+    async def health(self) -> str:
+        """The engine state of the decoder replica this call reaches: "ok", "restarting" (it is starting a new
+        engine process; requests wait for it), "failed" (Serve is replacing it), or "unavailable" when no replica
+        answers in time. The ingress itself is up whenever this answers."""
+        call = self._decoder.engine_state.remote()
+        try:
+            return await asyncio.wait_for(call, HEALTH_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - no replica up, or it died: say so, do not fail the probe
+            call.cancel()
+            log.warning("health: no decoder replica answered: %r", e)
+            return "unavailable"
+
+    async def models(self) -> ModelList:
+        limits = await self._limits()
+        return ModelList(data=[ModelCard(id=self.name, created=now(), max_model_len=limits.max_length)])
 
     async def completions(self, req: CompletionRequest) -> Any:
         t0, rid, created = time.perf_counter(), new_id("cmpl"), now()
@@ -208,8 +218,7 @@ class OpenAIIngress:
         rid.i) and wait for the first block of each: it decides the HTTP status (200, 400 or 503)."""
         self.convert.check_choices(req, len(prompts))
         params = self.convert.params(req, max(len(p) for p in prompts))
-        # compiling a grammar costs milliseconds, a schema many more: always off the event loop
-        constraint = await self._sync(INLINE_COST + 1, self.convert.constraint, req) if _constrained(req) else None
+        constraint = self.convert.constraint(req)
         fields = ["messages"] if isinstance(req, ChatCompletionRequest) else \
             ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
         for ids, field in zip(prompts, fields):
@@ -226,8 +235,8 @@ class OpenAIIngress:
             for f in opened:
                 if not isinstance(f, BaseException):  # cancelling a refused request re-raises its BackPressureError
                     f[0].cancel()
-            if isinstance(failed, ValueError):  # the decoder's own validation (the checks above should catch it)
-                raise APIError(400, str(_root(failed))) from failed
+            if isinstance(_root(failed), RequestError):  # the engine's check: a constraint it cannot honour
+                raise bad_request(_root(failed)) from failed
             retry = self.cfg.decoder.retry_after_s
             if isinstance(failed, BackPressureError):
                 raise overloaded(failed.retry_after_s if failed.retry_after_s is not None else retry) from failed
@@ -239,8 +248,8 @@ class OpenAIIngress:
                 for i, (g, first) in enumerate(opened)]  # type: ignore[misc]
 
     async def _open(self, prompt: list[int], params: DecodeConfig, per_block: bool, eid: str,
-                    constraint: ConstraintSpec | None = None) -> tuple[DeploymentResponseGenerator, Delta]:
-        """One engine request and its first delta. A request whose replica died before answering (killed, lost
+                    constraint: ConstraintSpec | None = None) -> tuple[DeploymentResponseGenerator, StepOutput]:
+        """One engine request and its first output. A request whose replica died before answering (killed, lost
         with its node, or its engine loop dead) is started again, on whichever replica Serve routes it to, up to
         decoder.replica_retries times (under a fresh id: a replica that only looked dead may still hold it)."""
         attempt = 0
@@ -299,7 +308,7 @@ class OpenAIIngress:
         """A piece's not-yet-final blocks as the client sees them (masked positions: None / MASK_GLYPH)."""
         if p.provisional is None:
             return None
-        mask = self.convert.model_cfg.mask_token_id
+        mask = self.convert.limits.mask_id
         blocks = [ProvisionalBlock(token_ids=[None if t == mask else t for t in b], text="".join(
             MASK_GLYPH if t == mask else self.tok.decode([t]) for t in b)) for b in p.provisional]
         return Provisional(committed_tokens=p.committed, blocks=blocks)

@@ -37,11 +37,12 @@ def http_app(ing: "OpenAIIngress", api_key: str | None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok"})
+        """200 while the HTTP path is up; the body says how the decoder is (`OpenAIIngress.health`)."""
+        return JSONResponse({"status": await ing.health()})
 
     @app.get("/v1/models", responses={k: RESPONSES[k] for k in (401,)})
     async def models() -> ModelList:
-        return ing.models()
+        return await ing.models()
 
     @app.post("/v1/completions", responses=RESPONSES)
     async def completions(req: CompletionRequest) -> Any:

@@ -241,11 +241,6 @@ class Matcher:
         """Tokens the grammar allows as the only continuation (jump-forward); [] when there is a choice."""
         return [] if self.stopped else self._m.compute_ff_tokens()
 
-    @property
-    def dead_end(self) -> bool:
-        """No token can follow and the output is not complete (the vocabulary cannot go on)."""
-        return not self.stopped and (self._m.is_error() or (self._m.is_stopped() and not self._m.is_accepting()))
-
 
 @dataclass
 class Settled:

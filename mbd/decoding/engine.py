@@ -46,7 +46,7 @@ from mbd.decoding.runner import ModelRunner
 from mbd.decoding.scheduler import Scheduler
 from mbd.decoding.state import BatchBuffers, Request, RequestParams
 from mbd.decoding.trace import step_entry
-from mbd.decoding.validate import EngineLimits, Params, resolve_params, validate_request
+from mbd.decoding.validate import EngineLimits, Params, resolve_params, validate_constraint, validate_request
 from mbd.detokenize import TextStream
 from mbd.tokenizer import Tokenizer
 
@@ -64,9 +64,9 @@ class Engine:
         if decode.block_size not in (None, self.block):
             raise ConfigError(f"decode config block_size={decode.block_size} but the model was trained with "
                               f"block_size={self.block}: remove block_size or set it to {self.block}")
-        self.device = next(model.parameters()).device if engine.device == "auto" else engine.torch_device()
-        dtype = None if engine.dtype == "auto" else engine.torch_dtype()
-        self.model = model.to(self.device, dtype).eval()
+        weight = next(model.parameters())
+        self.device = engine.torch_device(weight.device)
+        self.model = model.to(self.device, engine.torch_dtype(weight.dtype)).eval()
         self.tokenizer, self.cfg, self.engine_cfg = tokenizer, decode, engine
         self.n_buf = decode.buffer_size
         self.max_length = min(decode.max_length, mcfg.max_position_embeddings)
@@ -92,12 +92,13 @@ class Engine:
 
     def check_request(self, prompt_ids: Sequence[int], params: Params = None, constraint: ConstraintSpec | None = None
                       ) -> tuple[list[int], RequestParams]:
-        """The one request check (`mbd.decoding.validate.validate_request`) against this engine's limits; the
-        CLI, the eval sweeps and every served replica go through it. Raises RequestError naming the field; a
-        constraint that cannot be honoured raises ConstraintError (a ValueError naming its field)."""
-        if constraint is not None:
-            self.guide().vocab.compile(constraint)
-        return validate_request(prompt_ids, params, self.cfg, self.limits)
+        """The one request check (`mbd.decoding.validate`) against this engine's limits; the CLI, the eval sweeps
+        and every served engine go through it. Raises RequestError naming the field; a constraint that cannot be
+        honoured raises ConstraintError (a ValueError naming its field). A constraint is compiled here, once,
+        with the engine's one GrammarVocab (which caches it for the request's matcher)."""
+        ids, p = validate_request(prompt_ids, params, self.cfg, self.limits)
+        validate_constraint(constraint, self.guide().vocab if constraint is not None else None)
+        return ids, p
 
     def guide(self) -> Guide:
         """Structured output's side of the policy (mbd.decoding.guided), over this model's vocabulary."""

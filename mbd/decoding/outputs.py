@@ -1,5 +1,6 @@
-"""What the engine reports: per request per step (`StepOutput`), per finished request (`GenerationResult`),
-and over its lifetime (`EngineStats`)."""
+"""What the engine reports: per request per step (`StepOutput`, also the one record a served request's tokens
+travel in, from the engine process to the SSE writer), per finished request (`GenerationResult`), and over its
+lifetime (`EngineStats`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ class StepOutput:
     # with params.provisional: the resident tokens after the final ones (masks included), per block (the first may
     # be partial: a prompt's tail), from the end of the output so far; None when not asked for
     provisional: list[list[int]] | None = None
+
+    def merge(self, later: "StepOutput") -> "StepOutput":
+        """This output and the `later` one of the same request as one: what several steps produced, for a reader
+        that takes them at once (a served request's handler; a request that wants only the whole result)."""
+        lps = None if later.new_logprobs is None else (self.new_logprobs or []) + later.new_logprobs
+        tops = None if later.new_top_logprobs is None else (self.new_top_logprobs or []) + later.new_top_logprobs
+        return StepOutput(self.request_id, self.new_token_ids + later.new_token_ids, later.finished,
+                          later.finish_reason, later.nfe, later.num_generated, lps, tops, later.cached_tokens,
+                          later.provisional)
 
 
 class GenerationResult(BaseModel):

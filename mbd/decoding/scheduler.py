@@ -24,6 +24,8 @@ from mbd.decoding.state import FREE_ROW, BatchBuffers, Request
 
 
 def power_of_two_buckets(rows: int) -> tuple[int, ...]:
+    """The default batch buckets (`EngineConfig.batch_buckets` None): powers of two below `rows`, then `rows`. The
+    memory plan (mbd/plan.py) sizes the CUDA-Graph pools from the same function."""
     out, b = [], 1
     while b < rows:
         out.append(b)
@@ -43,14 +45,12 @@ class Schedule:
 class Scheduler:
     def __init__(self, kv: CacheManager, buf: BatchBuffers, buckets: Sequence[int] | None, prefill_budget: int,
                  stats: EngineStats, full_window: bool = False):
-        """buckets: batch sizes a forward may run (default: powers of two); prefill_budget: prompt tokens a decode
-        step may carry, rounded down to whole blocks (at least one); full_window: the logits window is all slots
-        or none (compiled / graph-captured forwards: fewer shapes)."""
+        """buckets: batch sizes a forward may run (`EngineConfig.batch_buckets`, validated there; default: powers
+        of two); prefill_budget: prompt tokens a decode step may carry, rounded down to whole blocks (at least one);
+        full_window: the logits window is all slots or none (compiled / graph-captured forwards: fewer shapes)."""
         self.kv, self.buf, self.block, self.stats, self.full_window = kv, buf, buf.block, stats, full_window
         self.rows = buf.tokens.shape[0]
         self.buckets = tuple(sorted(set(buckets or power_of_two_buckets(self.rows))))
-        if self.buckets[-1] != self.rows:
-            raise ValueError(f"batch_buckets {list(self.buckets)} must include max_batch_rows={self.rows}")
         self._bucket_of = [next(b for b in self.buckets if b >= n) for n in range(self.rows + 1)]
         self.prefill_budget = max(self.block, prefill_budget // self.block * self.block)
         self.waiting: deque[Request] = deque()

@@ -58,10 +58,8 @@ class RequestParams:
 
     @classmethod
     def resolve(cls, cfg: DecodeConfig, prompt_len: int, max_length: int) -> "RequestParams":
+        """A checked request's parameters (`mbd.decoding.validate` refuses a prompt that leaves no room)."""
         limit = min(cfg.max_length, max_length)
-        if prompt_len >= limit:
-            raise ValueError(f"prompt has {prompt_len} tokens but max_length is {limit}: shorten the prompt "
-                             "or raise max_length (the engine's max_length caps every request)")
         return cls(cfg.buffer_size, min(prompt_len + cfg.max_new_tokens, limit), cfg.max_nfe, cfg.tau_add,
                    cfg.tau_semi, cfg.tau_stable, cfg.tau_m2t, cfg.tau_t2t, cfg.temperature, cfg.seed,
                    cfg.top_p, cfg.top_k, cfg.ignore_eos, cfg.logprobs, cfg.provisional, cfg.top_logprobs)

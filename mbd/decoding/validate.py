@@ -1,8 +1,11 @@
-"""The one request check: prompt ids and decoding parameters against an engine's limits.
+"""The one request check: prompt ids, decoding parameters and a structured-output constraint against an engine's
+limits. Every rule a request must pass is written here once: the prompt (ids the model can read, shorter than
+the context), the parameters (the Block Buffer the engine compiled, its block and strategy, its max_nfe), room to
+generate, a worst case that fits the KV pool, and a grammar that compiles against the model's vocabulary.
 
-The CLI, the eval sweeps, every served replica (`Engine.check_request`) and the HTTP ingress (before a request
-reaches a replica) call `validate_request`, so a request is refused for the same reasons, with the same words,
-everywhere. Errors are `RequestError`s naming the offending field; `names` maps the engine's field names to the
+A request is checked where it enters (the HTTP ingress, against the limits a decoder replica reports, in its field
+names) and where it is served (`Engine.check_request`: the CLI, the eval sweeps, every served engine), nothing in
+between. Errors are `RequestError`s naming the offending field; `names` maps the engine's field names to the
 caller's (the HTTP API says `prompt` and `max_tokens` where the engine says `prompt_ids` and `max_new_tokens`).
 """
 
@@ -15,17 +18,23 @@ from typing import Any
 from pydantic import ValidationError
 
 from mbd.config import DecodeConfig
+from mbd.decoding.constraints import ConstraintSpec, GrammarVocab
 from mbd.decoding.state import RequestParams
 
 Params = DecodeConfig | Mapping[str, Any] | None
+CONTEXT = "context_length_exceeded"  # OpenAI's error code for a request that does not fit the context
 
 
 class RequestError(ValueError):
-    """A request the engine refuses; `field` names what is wrong in the caller's words (the message does too)."""
+    """A request the engine refuses; `field` names what is wrong in the caller's words (the message does too),
+    `code` (when set) says which kind of refusal it is in OpenAI's words."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str | None, message: str, code: str | None = None):
         super().__init__(message)
-        self.field = field
+        self.field, self.code = field, code
+
+    def __reduce__(self) -> tuple:  # crosses process boundaries (the engine process, Ray) with its field
+        return RequestError, (self.field, str(self), self.code)
 
 
 @dataclass(frozen=True)
@@ -43,9 +52,13 @@ class EngineLimits:
     kv_pages: int  # pages one request may hold at most (the whole pool)
 
 
-def validate_prompt(prompt_ids: Sequence[int], limits: EngineLimits, names: Mapping[str, str] = {}) -> list[int]:
-    """Prompt ids as a list: non-empty ints in [0, vocab_size), never the mask token (the decoder reserves it)."""
+def validate_prompt(prompt_ids: Sequence[int], limits: EngineLimits, names: Mapping[str, str] = {},
+                    max_length: int | None = None) -> list[int]:
+    """Prompt ids as a list: non-empty ints in [0, vocab_size), never the mask token (the decoder reserves it),
+    fewer than the context (the engine's max_length, or a request's smaller `max_length`)."""
     field = names.get("prompt_ids", "prompt_ids")
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
+        raise RequestError(field, f"{field} must be a list of token ids, got {type(prompt_ids).__name__}")
     ids = list(prompt_ids)
     if not ids:
         raise RequestError(field, f"{field} is empty: a request needs at least one prompt token")
@@ -53,6 +66,10 @@ def validate_prompt(prompt_ids: Sequence[int], limits: EngineLimits, names: Mapp
         raise RequestError(field, f"{field} must be ints in [0, {limits.vocab_size})")
     if limits.mask_id in ids:
         raise RequestError(field, f"{field} contain the mask token id {limits.mask_id}, which the decoder reserves")
+    limit = min(max_length or limits.max_length, limits.max_length)
+    if len(ids) >= limit:
+        raise RequestError(field, f"{field} has {len(ids)} tokens but the context (max_length) is {limit} tokens, "
+                                  f"so at most {limit - 1} prompt tokens fit: shorten the prompt", CONTEXT)
     return ids
 
 
@@ -60,50 +77,68 @@ def resolve_params(params: Params, base: DecodeConfig, limits: EngineLimits,
                    names: Mapping[str, str] = {}) -> DecodeConfig:
     """A request's DecodeConfig: `base` (the engine's), a full DecodeConfig, or a mapping of overrides of `base`;
     buffer_size may not exceed the engine's compiled one, block_size must be the model's, the strategy the
-    engine's."""
+    engine's, max_nfe at most the engine's."""
     if params is None:
         cfg = base
     elif isinstance(params, DecodeConfig):
         cfg = params
-    else:
+    elif isinstance(params, Mapping):
         try:
             cfg = DecodeConfig.model_validate({**base.model_dump(), **dict(params)})
         except ValidationError as e:
             err = e.errors()[0]
             field = names.get(str(err["loc"][0]), str(err["loc"][0])) if err["loc"] else names.get("params", "params")
             raise RequestError(field, f"{field}: {err['msg']} (got {err.get('input')!r})") from e
+    else:
+        field = names.get("params", "params")
+        raise RequestError(field, f"{field} must be a DecodeConfig or a mapping, got {type(params).__name__}")
     if cfg.buffer_size > limits.buffer_size:
         field = names.get("buffer_size", "buffer_size")
-        raise RequestError(field, (
-            f"{field}={cfg.buffer_size} exceeds the engine's compiled buffer_size={limits.buffer_size}: lower it or "
-            f"build the Engine with buffer_size >= {cfg.buffer_size}"))
+        raise RequestError(field, f"{field}={cfg.buffer_size} exceeds the engine's compiled buffer_size="
+                                  f"{limits.buffer_size} (the Block Buffer's slots): ask for at most that many")
     if cfg.block_size not in (None, limits.block):
         field = names.get("block_size", "block_size")
         raise RequestError(field, f"{field}={cfg.block_size} differs from the model's block_size={limits.block}")
     if cfg.strategy != base.strategy:
         field = names.get("strategy", "strategy")
         raise RequestError(field, f"{field}={cfg.strategy} differs from the engine's {base.strategy}")
+    if cfg.max_nfe > base.max_nfe:
+        field = names.get("max_nfe", "max_nfe")
+        raise RequestError(field, f"{field}={cfg.max_nfe} exceeds the engine's max_nfe={base.max_nfe}")
     return cfg
 
 
+def validate_constraint(constraint: ConstraintSpec | None, grammar: GrammarVocab | None) -> None:
+    """The grammar rule: a constraint compiles against the model's vocabulary (`grammar`, which caches it for
+    the request's matcher), else a ConstraintError (a ValueError) naming the field it came from."""
+    if constraint is None:
+        return
+    if not isinstance(constraint, ConstraintSpec):
+        raise RequestError("constraint", f"constraint must be a ConstraintSpec, got {type(constraint).__name__}")
+    if grammar is None:
+        raise RequestError(constraint.field, f"{constraint.field}: structured output needs the model's tokenizer")
+    grammar.compile(constraint)
+
+
 def validate_request(prompt_ids: Sequence[int], params: Params, base: DecodeConfig, limits: EngineLimits,
-                     names: Mapping[str, str] = {}) -> tuple[list[int], RequestParams]:
-    """The one request check: the prompt (`validate_prompt`), the parameters (`resolve_params`), room to
-    generate, and a worst case (prompt + max_new_tokens + a full Block Buffer) that fits the KV pool."""
-    ids = validate_prompt(prompt_ids, limits, names)
+                     names: Mapping[str, str] = {}, whole: bool = False) -> tuple[list[int], RequestParams]:
+    """The one request check: the parameters (`resolve_params`), the prompt (`validate_prompt`, within the
+    request's max_length), room to generate, and a worst case (prompt + max_new_tokens + a full Block Buffer)
+    that fits the KV pool. The engine generates up to the context and stops there; `whole` (an API that
+    promises max_tokens or an error) refuses a request whose max_new_tokens do not fit the context instead."""
     cfg = resolve_params(params, base, limits, names)
+    ids = validate_prompt(prompt_ids, limits, names, cfg.max_length)
     limit = min(cfg.max_length, limits.max_length)
-    if len(ids) >= limit:
-        field = names.get("prompt_ids", "prompt_ids")
-        raise RequestError(field, (
-            f"{field} has {len(ids)} tokens but max_length is {limit}: shorten the prompt or raise max_length (the "
-            "engine's max_length caps every request)"))
+    if whole and len(ids) + cfg.max_new_tokens > limit:
+        field = names.get("max_new_tokens", "max_new_tokens")
+        raise RequestError(field, f"the prompt ({len(ids)} tokens) + {field} ({cfg.max_new_tokens}) exceeds the "
+                                  f"context length {limit}", CONTEXT)
     p = RequestParams.resolve(cfg, len(ids), limits.max_length)
     B = limits.block
     need = -(-(-(-p.gen_end // B) * B + p.buffer_size * B) // limits.page_size)
     if need > limits.kv_pages:
         field = names.get("max_new_tokens", "max_new_tokens")
-        raise RequestError(field, (
-            f"{field}: the request needs up to {need} KV pages (prompt + max_new_tokens + its Block Buffer) but the pool "
-            f"holds {limits.kv_pages}: lower max_new_tokens or raise kv_cache_bytes"))
+        raise RequestError(field, f"{field}: the request needs up to {need} KV pages (prompt + max_new_tokens + its "
+                                  f"Block Buffer) but the pool holds {limits.kv_pages}: lower max_new_tokens or raise "
+                                  "kv_cache_bytes")
     return ids, p

@@ -109,7 +109,7 @@ def check_train(argv):
 
 def check_serve(argv):
     from serve_app.config import load_serve_config
-    from serve_app.run import parse_args
+    from pipelines.serve import parse_args
     return load_serve_config(ROOT / parse_args(argv).config)
 
 

@@ -218,6 +218,23 @@ def test_tp2_matches_tp1(base):
         assert two.json()["mbd"] == one.json()["mbd"] and two.json()["choices"] == one.json()["choices"]
 
 
+def test_a_killed_tp2_engine_process_restarts_every_rank(base):
+    """SIGKILL rank 0's engine process of the tp2 replica: the same replica starts it again with a new second rank
+    (a new TPWorker in the same placement group), and a request sent meanwhile waits for them and gets the answer
+    it got before."""
+    import psutil
+
+    pid = _stats("tp2")["pid"]
+    (engine,) = [p for p in psutil.Process(pid).children() if "actors.engine_process" in " ".join(p.cmdline())]
+    body = {"model": MODEL, "prompt": "12+7=", "max_tokens": 24, "return_token_ids": True}
+    before = _post(base, "tp2", "completions", body).json()
+    os.kill(engine.pid, signal.SIGKILL)
+    r = _post(base, "tp2", "completions", body)
+    assert r.status_code == 200 and r.json()["choices"] == before["choices"], r.text
+    s = _stats("tp2")
+    assert s["pid"] == pid and s["engine_restarts"] == 1
+
+
 def test_api_key(base):
     models = f"{base}/tp2/v1/models"
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):

@@ -2,14 +2,15 @@
 the engine host (rank 0's loop thread) driven in-process against the real engine."""
 
 import asyncio
+import logging
 from contextlib import aclosing
 from pathlib import Path
 
 import pytest
 import torch
 
-from actors.decoder import EngineDead, EngineHost
-from actors.tp_worker import ModelSpec
+from actors.engine_host import EngineDead, EngineHost, EngineRestarts
+from mbd.decoding.spec import ModelSpec
 from mbd.config import ConfigError, DecodeConfig, ModelConfig
 from mbd.decoding import Engine, EngineConfig
 from mbd.model import build_model, load_checkpoint, save_checkpoint
@@ -111,11 +112,11 @@ def test_engine_host_matches_engine_and_aborts_on_early_exit(ckpt, tok):
     host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
     try:
         deltas = asyncio.run(_collect(host, ids, params))
-        assert [t for d in deltas for t in d.token_ids] == want.token_ids
+        assert [t for d in deltas for t in d.new_token_ids] == want.token_ids
         assert deltas[-1].finished and deltas[-1].nfe == want.nfe and deltas[-1].finish_reason == want.finish_reason
         # per_block=False: the reader thread merges the blocks and hands over the whole generation once
         (whole,) = asyncio.run(_collect(host, ids, params, per_block=False))
-        assert (whole.token_ids, whole.finished, whole.nfe) == (want.token_ids, True, want.nfe)
+        assert (whole.new_token_ids, whole.finished, whole.nfe) == (want.token_ids, True, want.nfe)
         # leaving after the first block aborts the request inside the engine and frees its slot
         asyncio.run(_collect(host, ids, DECODE.model_copy(update={"tau_m2t": 1.0}), n=1))
         for _ in range(200):
@@ -129,13 +130,15 @@ def test_engine_host_matches_engine_and_aborts_on_early_exit(ckpt, tok):
 
 
 def test_engine_host_refuses_bad_request_without_dying(ckpt, tok):
+    """The host forwards a request unchanged; the engine's check refuses it, naming the field, and the request
+    fails alone: the loop keeps serving."""
     host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
     try:
-        with pytest.raises(ValueError, match="buffer_size"):
-            host.validate(tok.encode("1+1="), DECODE.model_copy(update={"buffer_size": 3}))
+        with pytest.raises(ValueError, match="buffer_size") as e:
+            asyncio.run(_collect(host, tok.encode("1+1="), DECODE.model_copy(update={"buffer_size": 3})))
+        assert e.value.field == "buffer_size"
         with pytest.raises(ValueError, match="mask"):
-            host.validate([special_token_ids()["mask_token_id"]], DECODE)
-        # a request the engine itself refuses fails alone; the loop keeps serving
+            asyncio.run(_collect(host, [special_token_ids()["mask_token_id"]], DECODE))
         with pytest.raises(ValueError, match="refused"):
             asyncio.run(_collect(host, [], DECODE))
         host.check()
@@ -144,27 +147,110 @@ def test_engine_host_refuses_bad_request_without_dying(ckpt, tok):
         host.shutdown()
 
 
-def test_engine_loop_death_fails_requests_and_health(ckpt, tok):
-    """An exception in the engine loop ends the engine process: health checks and new requests fail, and so does
-    a request that was waiting on it."""
-    host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
+class _Log(logging.Handler):
+    """The engine host's log lines (Serve's logger does not propagate to pytest's capture)."""
 
-    async def poisoned() -> None:
-        # a long request (one token per forward, never stopping early) that is live in the engine
-        params = DECODE.model_copy(update={"max_new_tokens": 1000, "tau_m2t": 1.0, "ignore_eos": True})
-        async with aclosing(host.generate(tok.encode("1+1="), params)) as gen:
-            await gen.__anext__()
-            host._send(("add", "poison", None, DECODE, None))  # bypasses validation: the engine raises TypeError
-            with pytest.raises(EngineDead, match="TypeError"):
-                async for _ in gen:
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> "_Log":
+        logging.getLogger("ray.serve").addHandler(self)
+        return self
+
+    def __exit__(self, *_) -> None:
+        logging.getLogger("ray.serve").removeHandler(self)
+
+
+def _engine_pids() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children() if "actors.engine_process" in " ".join(p.cmdline())}
+
+
+def test_a_killed_engine_process_is_restarted_and_its_waiting_requests_kept(ckpt, tok):
+    """SIGKILL the engine process with three requests in it (two batch rows): the stream that had produced output
+    fails with EngineDead naming the exit; the non-streaming one decoding beside it and the one waiting for a row
+    are kept and re-run on a new engine process, with the tokens the engine gives them alone; the host stays
+    healthy, logs the exit status once, and serves new requests."""
+    import os
+    import signal
+
+    model, _ = load_checkpoint(ckpt)
+    long = DECODE.model_copy(update={"max_new_tokens": 600, "tau_m2t": 1.0, "ignore_eos": True})
+    short = DECODE.model_copy(update={"max_new_tokens": 24})
+    ids_b, ids_c = tok.encode("12+7="), tok.encode("3*4=")
+    ref = Engine(model, tok, DECODE, EngineConfig(max_batch_rows=2))
+    want_b, want_c = ref.generate([ids_b], long)[0], ref.generate([ids_c], short)[0]
+    host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2),
+                      EngineRestarts(limit=2, backoff_s=0.1))
+    first_pid = host._proc.pid
+
+    async def scenario() -> tuple[list, list]:
+        async with aclosing(host.generate(tok.encode("1+1="), long)) as a:
+            await a.__anext__()  # A streams
+            b = asyncio.create_task(_collect(host, ids_b, long, per_block=False))  # decodes beside A, sends nothing
+            c = asyncio.create_task(_collect(host, ids_c, short))  # waits for a row
+            while (await asyncio.to_thread(host.stats)).get("in_engine") != 3:
+                await asyncio.sleep(0.01)
+            os.kill(first_pid, signal.SIGKILL)
+            with pytest.raises(EngineDead, match="exited mid-stream.*SIGKILL"):
+                async for _ in a:
                     pass
+            return await b, await c
 
-    asyncio.run(poisoned())
-    assert host._proc.wait(timeout=30) == 1
-    with pytest.raises(EngineDead):
+    try:
+        with _Log() as logged:
+            got_b, got_c = asyncio.run(scenario())
+        assert [t for o in got_b for t in o.new_token_ids] == want_b.token_ids and len(got_b) == 1
+        assert [t for o in got_c for t in o.new_token_ids] == want_c.token_ids
         host.check()
-    with pytest.raises(EngineDead):
-        asyncio.run(_collect(host, tok.encode("1+1="), DECODE))
+        s = host.stats()
+        assert (s["engine_restarts"], s["kept"], s["readmitted"], s["lost_mid_stream"]) == (1, 2, 2, 1)
+        assert host.engine_state() == "ok" and _engine_pids() == {host._proc.pid} != {first_pid}
+        exits = [line for line in logged.lines if "exited (" in line]
+        assert len(exits) == 1 and f"engine process {first_pid} exited (killed by SIGKILL" in exits[0]
+        assert "1 stream(s) that had produced output failed, 2 request(s) kept" in exits[0]
+        assert asyncio.run(_collect(host, tok.encode("5+5="), short))[-1].finished
+    finally:
+        host.shutdown()
+
+
+def test_a_crash_loop_stops_and_fails_the_health_check(ckpt, tok, tmp_path):
+    """An engine that cannot start again (its weights gone after the first start): restarted `limit` times with
+    back-off, then the host gives up, says why in the log, fails a request that waited for it and fails its
+    health check; no engine process is left."""
+    import os
+    import shutil
+    import signal
+
+    model_dir = shutil.copytree(ckpt, tmp_path / "ck")
+    host = EngineHost(ModelSpec(path=str(model_dir)), DECODE, EngineConfig(max_batch_rows=2),
+                      EngineRestarts(limit=2, backoff_s=0.1))
+    (model_dir / "model.safetensors").unlink()
+
+    async def waiting() -> None:
+        while host.engine_state() == "ok":
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineDead, match="gave up"):  # it arrived while the engine restarts, and waited
+            await _collect(host, tok.encode("1+1="), DECODE)
+
+    try:
+        with _Log() as logged:
+            os.kill(host._proc.pid, signal.SIGKILL)
+            asyncio.run(waiting())
+        assert host.engine_state() == "failed"
+        with pytest.raises(EngineDead, match="exited 3 times within 60 s"):
+            host.check()
+        assert [line.split(":")[0] for line in logged.lines if "restart" in line and "failed" in line] == [
+            "engine process restart 1 of 2 failed", "engine process restart 2 of 2 failed"]
+        assert sum("giving up" in line and "no *.safetensors" in line for line in logged.lines) == 1
+        assert host.stats()["engine_restarts"] == 0 and _engine_pids() == set()
+    finally:
+        host.shutdown()
 
 
 def test_engine_process_ends_with_its_replica(ckpt, tok):
@@ -176,8 +262,8 @@ def test_engine_process_ends_with_its_replica(ckpt, tok):
     import psutil
 
     script = textwrap.dedent(f"""
-        from actors.decoder import EngineHost
-        from actors.tp_worker import ModelSpec
+        from actors.engine_host import EngineHost
+        from mbd.decoding.spec import ModelSpec
         from mbd.config import EngineConfig
         from tests.integration.test_serve_units import DECODE
         host = EngineHost(ModelSpec(path={str(ckpt)!r}), DECODE, EngineConfig(max_batch_rows=2))
@@ -239,13 +325,17 @@ def test_ignore_eos_decodes_past_eos(tmp_path):
 
 
 def test_request_constraints_name_their_fields(ckpt, tok):
-    """Which request field a constraint came from, and 400s that name it (and the schema feature)."""
+    """Which request field a constraint came from (the ingress), and refusals that name it (and the schema
+    feature): two constraints at once by the ingress, what the vocabulary cannot honour by the engine's check,
+    which compiles it."""
+    from mbd.decoding.constraints import ConstraintError
     from serve_app.config import ServeConfig
     from serve_app.convert import RequestConverter
     from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
     cfg = ServeConfig.model_validate({"model": {"path": str(ckpt), "name": "m"}, "decode": DECODE.model_dump()})
-    conv = RequestConverter(cfg, load_checkpoint(ckpt)[1], tok)
+    conv = RequestConverter(cfg, tok)
+    engine = Engine(load_checkpoint(ckpt)[0], tok, DECODE, EngineConfig(max_batch_rows=2))
     base = {"model": "m", "prompt": "1+1="}
     spec = conv.constraint(CompletionRequest.model_validate(base | {"structured_outputs": {"regex": "[0-9]+"}}))
     assert (spec.kind, spec.text, spec.field) == ("regex", "[0-9]+", "structured_outputs.regex")
@@ -261,9 +351,12 @@ def test_request_constraints_name_their_fields(ckpt, tok):
         ({"guided_grammar": "start: /[0-9/"}, "guided_grammar", "cannot be compiled"),
     ]
     for extra, param, words in cases:
-        with pytest.raises(APIError) as e:
-            conv.constraint(CompletionRequest.model_validate(base | extra))
-        assert e.value.param == param and words in str(e.value.message), (extra, e.value.message)
+        with pytest.raises((APIError, ConstraintError)) as e:
+            spec = conv.constraint(CompletionRequest.model_validate(base | extra))
+            engine.check_request(tok.encode("1+1="), None, spec)
+        field, message = (e.value.param, e.value.message) if isinstance(e.value, APIError) else \
+            (e.value.field, str(e.value))
+        assert field == param and words in message, (extra, message)
 
 
 def test_engine_host_constrains_and_reports_cached_tokens(ckpt, tok):
@@ -278,9 +371,8 @@ def test_engine_host_constrains_and_reports_cached_tokens(ckpt, tok):
         ids = tok.encode("7*8+9*6-4;" * 4)  # 40 tokens: two full pages
         params = DECODE.model_copy(update={"max_new_tokens": 24})
         spec = ConstraintSpec("regex", "[0-9]{2,5}=[a-z]{3}", "regex")
-        host.validate(ids, params)
         first = asyncio.run(_collect(host, ids, params, constraint=spec))
-        text = tok.decode([t for d in first for t in d.token_ids])
+        text = tok.decode([t for d in first for t in d.new_token_ids])
         assert re.fullmatch("[0-9]{2,5}=[a-z]{3}", text) and first[-1].finish_reason == "eos"
         assert first[-1].cached_tokens == 0
         again = asyncio.run(_collect(host, ids, params))
@@ -302,7 +394,7 @@ def test_engine_host_streams_provisional_blocks(ckpt, tok):
         params = DECODE.model_copy(update={"max_new_tokens": 24})
         plain = asyncio.run(_collect(host, ids, params))
         prov = asyncio.run(_collect(host, ids, params.model_copy(update={"provisional": True})))
-        assert [t for d in prov for t in d.token_ids] == [t for d in plain for t in d.token_ids]
+        assert [t for d in prov for t in d.new_token_ids] == [t for d in plain for t in d.new_token_ids]
         blocks = [b for d in prov if d.provisional for b in d.provisional]
         mask = special_token_ids()["mask_token_id"]
         assert blocks and all(len(b) <= 4 for b in blocks) and any(mask in b for b in blocks)

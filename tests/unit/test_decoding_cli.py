@@ -89,7 +89,7 @@ def test_generate_sets_and_prints_the_engine_config(model_dir, capsys, monkeypat
 
 def test_serve_prints_the_engine_config_once(monkeypatch, capsys):
     import pipelines.ray_session
-    from serve_app.run import main as serve_main
+    from pipelines.serve import main as serve_main
 
     class Stop(Exception):
         pass

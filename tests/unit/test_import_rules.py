@@ -2,6 +2,7 @@
 body counts too):
 - the core `mbd/` is plain PyTorch: it never imports Ray, FastAPI, DeepSpeed or the project's outer layers;
 - the sandboxed child's files (`mbd/eval/sandbox_child.py`, `value_codec.py`) import only the standard library;
+- the service (`serve_app/`, `actors/`) imports no pipeline: the `mbd serve` command lives in `pipelines/`;
 - a pipeline (a module an `mbd` command runs, `pipelines/cli.py`) uses another pipeline only through the names
   it lists in `__all__` (its `run_*` entry point and config models); the other modules of `pipelines/` are
   libraries the pipelines share (`stages.py`, `ray_session.py`, ...), usable by any public name.
@@ -80,6 +81,13 @@ def cross_pipeline_violations(path: Path, source: str) -> list[str]:
 def test_core_never_imports_ray_fastapi_deepspeed_or_outer_layers():
     bad = [f"{p.relative_to(ROOT)}:{line}: {module}" for p in sorted((ROOT / "mbd").rglob("*.py"))
            for line, module, _ in imports(p.read_text()) if module.split(".")[0] in CORE_FORBIDDEN]
+    assert bad == []
+
+
+def test_the_service_imports_no_pipeline():
+    service = [p for d in ("serve_app", "actors") for p in sorted((ROOT / d).glob("*.py"))]
+    bad = [f"{p.relative_to(ROOT)}:{line}: {module}" for p in service
+           for line, module, _ in imports(p.read_text()) if module.split(".")[0] == "pipelines"]
     assert bad == []
 
 

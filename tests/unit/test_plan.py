@@ -89,7 +89,7 @@ def big_model_dir(tmp_path):
 
 
 def test_serve_refuses_a_deployment_that_cannot_fit(tmp_path, capsys):
-    from serve_app.run import main
+    from pipelines.serve import main
 
     cfg = {"model": {"path": str(big_model_dir(tmp_path)), "tensor_parallel_size": 1, "num_gpus_per_rank": 1},
            "engine": {"device": "cuda", "dtype": "bfloat16", "kv_cache_bytes": 80 * GiB},
