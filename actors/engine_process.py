@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -115,11 +116,9 @@ def main() -> None:
 
 
 def start(spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, addr: str, port: int
-          ) -> tuple["subprocess.Popen", Connection]:
+          ) -> tuple[subprocess.Popen, Connection]:
     """`python -m actors.engine_process` with the same interpreter, environment and import path as this
     process, and the replica's end of its connection (the engine's arguments already sent)."""
-    import subprocess
-
     mine, theirs = socket.socketpair()
     env = os.environ | {FD_ENV: str(theirs.fileno()), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     proc = subprocess.Popen([sys.executable, "-m", "actors.engine_process"], env=env, pass_fds=[theirs.fileno()])

@@ -309,64 +309,85 @@ def run_check(program: str, check_source: str, entry_point: str, limits: Sandbox
     the sandbox, one request at a time. Passed iff `check` returns; the program's exit status, hooks and
     printed text play no part."""
     tree = ast.parse(check_source)
-    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    defined |= {t.id for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.For, ast.comprehension))
-                for t in ast.walk(n.target if not isinstance(n, ast.Assign) else n) if isinstance(t, ast.Name)}
-    free = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-                  - defined - set(dir(builtins)) - {"candidate"})
+    free = _free_names(tree)
     try:
         ch = _Channel({"mode": "serve", "source": program, "names": [entry_point, *free], "max_items": max_items},
                       limits)
     except OSError as e:
         return ExecResult("error", f"could not start the sandbox: {e}")
     try:
-        try:
-            ready = ch.read()
-        except _Forged as e:
-            _kill(ch)
-            return ExecResult("failed", f"the program wrote {e}; verdict refused")
-        if ready is None or "load_error" in ready:
-            detail = (ready or {}).get("load_error") or "the program exited while loading"
-            if ch.timed_out:
-                return ExecResult("timeout", f"wall time limit of {limits.wall_s:g}s exceeded while loading")
-            return ExecResult("failed", f"program failed to load: {detail}")
+        ready = _loaded(ch, limits)
+        if isinstance(ready, ExecResult):
+            return ready
         available = set(ready.get("names", []))
         modules = {n: m for n, m in ready.get("modules", {}).items() if _importable_here(m)}
         values = ready.get("values", {})
-
-        def remote(name: str) -> Callable[..., Any]:
-            def call(*args: Any) -> Any:
-                ch.send({"name": name, "args": encode_value(list(args))})
-                try:
-                    reply = ch.read()
-                except _Forged as e:
-                    raise _CandidateFailed(f"the program wrote {e}") from None
-                if reply is None:
-                    raise _CandidateFailed("timeout" if ch.timed_out else "the program exited during a call")
-                if "err" in reply:
-                    raise _CandidateFailed(str(reply["err"]))
-                return decode_value(reply["v"])
-            return call
-
         namespace: dict[str, Any] = {"__name__": "__check__"}
-        namespace.update({n: remote(n) for n in free if n in available})
+        namespace.update({n: _remote(ch, n) for n in free if n in available})
         namespace.update({n: importlib.import_module(m) for n, m in modules.items() if n in free})
         namespace.update({n: decode_value(v) for n, v in values.items() if n in free})
-        try:
-            exec(compile(tree, "<check>", "exec"), namespace)
-            namespace["check"](remote(entry_point))
-        except _CandidateFailed as e:
-            if ch.timed_out:
-                return ExecResult("timeout", f"wall time limit of {limits.wall_s:g}s exceeded", _tail(ch, _STDOUT_FILE))
-            return ExecResult("failed", f"candidate call failed: {e}", _tail(ch, _STDOUT_FILE))
-        except AssertionError as e:
-            return ExecResult("failed", f"AssertionError: {str(e)[:300]}".rstrip(": "), _tail(ch, _STDOUT_FILE))
-        except Exception as e:  # noqa: BLE001 - check() raised on what the candidate returned
-            return ExecResult("failed", f"check() raised {type(e).__name__}: {str(e)[:300]}", _tail(ch, _STDOUT_FILE))
-        return ExecResult("passed", "check() returned", _tail(ch, _STDOUT_FILE))
+        return _check(tree, namespace, _remote(ch, entry_point), ch, limits)
     finally:
         _kill(ch)
         ch.cleanup()
+
+
+def _free_names(tree: ast.AST) -> list[str]:
+    """The names the check source reads but neither defines nor takes from builtins: the program's to provide."""
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {t.id for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.For, ast.comprehension))
+                for t in ast.walk(n.target if not isinstance(n, ast.Assign) else n) if isinstance(t, ast.Name)}
+    return sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+                  - defined - set(dir(builtins)) - {"candidate"})
+
+
+def _loaded(ch: "_Channel", limits: SandboxLimits) -> dict | ExecResult:
+    """The sandbox's report once the program has loaded (its names, modules and values), or the verdict when it
+    could not load."""
+    try:
+        ready = ch.read()
+    except _Forged as e:
+        _kill(ch)
+        return ExecResult("failed", f"the program wrote {e}; verdict refused")
+    if ready is None or "load_error" in ready:
+        detail = (ready or {}).get("load_error") or "the program exited while loading"
+        if ch.timed_out:
+            return ExecResult("timeout", f"wall time limit of {limits.wall_s:g}s exceeded while loading")
+        return ExecResult("failed", f"program failed to load: {detail}")
+    return ready
+
+
+def _remote(ch: "_Channel", name: str) -> Callable[..., Any]:
+    """A stand-in for the program's `name`: each call is one request to the sandbox."""
+    def call(*args: Any) -> Any:
+        ch.send({"name": name, "args": encode_value(list(args))})
+        try:
+            reply = ch.read()
+        except _Forged as e:
+            raise _CandidateFailed(f"the program wrote {e}") from None
+        if reply is None:
+            raise _CandidateFailed("timeout" if ch.timed_out else "the program exited during a call")
+        if "err" in reply:
+            raise _CandidateFailed(str(reply["err"]))
+        return decode_value(reply["v"])
+    return call
+
+
+def _check(tree: ast.AST, namespace: dict[str, Any], candidate: Callable[..., Any], ch: "_Channel",
+           limits: SandboxLimits) -> ExecResult:
+    """Run the check source here and `check(candidate)`; the verdict."""
+    try:
+        exec(compile(tree, "<check>", "exec"), namespace)
+        namespace["check"](candidate)
+    except _CandidateFailed as e:
+        if ch.timed_out:
+            return ExecResult("timeout", f"wall time limit of {limits.wall_s:g}s exceeded", _tail(ch, _STDOUT_FILE))
+        return ExecResult("failed", f"candidate call failed: {e}", _tail(ch, _STDOUT_FILE))
+    except AssertionError as e:
+        return ExecResult("failed", f"AssertionError: {str(e)[:300]}".rstrip(": "), _tail(ch, _STDOUT_FILE))
+    except Exception as e:  # noqa: BLE001 - check() raised on what the candidate returned
+        return ExecResult("failed", f"check() raised {type(e).__name__}: {str(e)[:300]}", _tail(ch, _STDOUT_FILE))
+    return ExecResult("passed", "check() returned", _tail(ch, _STDOUT_FILE))
 
 
 def _wait_unreaped(proc: subprocess.Popen, deadline: float) -> bool:

@@ -180,65 +180,13 @@ class CodeScorer:
         ev = evalplus_eval()  # re-exports evalplus.config's time-limit defaults
         inputs, n_base = self.inputs(tests)
         expected = self.expected(tests)
-        in_sandbox = set(expected.in_sandbox)
-        wanted = [_MATCHED_IN_SANDBOX if i in in_sandbox else v for i, v in enumerate(expected.outputs)]
         limits = [max(ev.DEFAULT_MIN_TIME_LIMIT, ev.DEFAULT_GT_TIME_LIMIT_FACTOR * t) for t in expected.times]
-        outputs: list[Any] = []  # outputs[i] is what input i returned, in order
-        failure: list[str] = []
-        passed = 0  # inputs EvalPlus has accepted
-
-        def phase(i: int) -> tuple[str, int, int]:
-            return ("base", 0, n_base) if i < n_base else ("plus", n_base, len(inputs))
-
-        def judge(start: int) -> bool:
-            """EvalPlus's verdict on the outputs of the phase starting at `start` received so far."""
-            nonlocal passed
-            bad = evalplus_first_rejected(tests.flavor, tests.entry_point, inputs[start:], outputs[start:],
-                                          wanted[start:], tests.atol)
-            if bad is None:
-                passed = len(outputs)
-                return True
-            i = passed = start + bad
-            failure.append(f"{phase(i)[0]} input #{i}: wrong output {_short(outputs[i])} "
-                           f"(expected {_short(wanted[i])})")
-            return False
-
-        def on_output(out: CallOutput) -> bool:
-            i = out.index
-            name, start, end = phase(i)
-            if out.timed_out:
-                problem = f"exceeded its {limits[i]:.2f}s time limit"
-            elif out.error is not None:
-                problem = f"raised {out.error}"
-            elif i in in_sandbox and not out.matches_reference:
-                problem = "gave a wrong output (compared in the sandbox)"
-            elif out.too_large and i not in in_sandbox:
-                problem = f"output has more than {MAX_SHIPPED_ITEMS} elements"
-            else:
-                problem = None
-                outputs.append(_MATCHED_IN_SANDBOX if i in in_sandbox else out.value)
-            count = len(outputs) - start
-            # judge what came before a failed call first, so that the first failure in order is the one reported
-            due = count > 0 and (problem is not None or count == end - start or count & (count - 1) == 0)
-            if due and not judge(start):
-                return False
-            if problem is not None:
-                failure.append(f"{name} input #{i} {problem}")
-                return False
-            return True
-
-        cpu = min(self.config.max_task_s, sum(limits)) + sum(expected.times[i] for i in in_sandbox) + 2.0
-        result = run_calls(program, tests.entry_point, inputs, limits, on_output, self._limits(cpu),
+        judge = _Judge(tests, inputs, n_base, expected, limits)
+        cpu = min(self.config.max_task_s, sum(limits)) + sum(expected.times[i] for i in judge.in_sandbox) + 2.0
+        result = run_calls(program, tests.entry_point, inputs, limits, judge.on_output, self._limits(cpu),
                            max_items=MAX_SHIPPED_ITEMS, reference_source=tests.reference_program,
-                           reference_indices=in_sandbox)
-        summary = f"{passed}/{len(inputs)} inputs passed ({n_base} base, {len(inputs) - n_base} plus)"
-        if failure:
-            return CodeVerdict(passed=False, status="fail", detail=f"{failure[0]}; {summary}")
-        if result.status == "timeout":
-            return CodeVerdict(passed=False, status="timeout", detail=f"{result.detail}; {summary}")
-        if result.status != "passed" or passed != len(inputs):
-            return CodeVerdict(passed=False, status="fail", detail=f"{result.detail}; {summary}")
-        return CodeVerdict(passed=True, status="pass", detail=summary)
+                           reference_indices=judge.in_sandbox)
+        return judge.verdict(result)
 
     def expected(self, tests: CodeTests) -> _Expected:
         """Expected outputs and reference times for `self.inputs(tests)`, computed once."""
@@ -316,3 +264,68 @@ def _write_cache(path: Path, exp: _Expected) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps({"outputs": encode_value(exp.outputs), "times": exp.times, "in_sandbox": exp.in_sandbox}))
     os.replace(tmp, path)
+
+
+class _Judge:
+    """EvalPlus's verdict over one program's outputs as they stream in, in input order: each phase (base, then
+    plus) judged when a call fails, when the phase is complete, and at powers of two in between, so that the first
+    failure in order is the one reported and a long run stops early."""
+
+    def __init__(self, tests: CodeTests, inputs: list, n_base: int, expected: _Expected, limits: list[float]):
+        self.tests, self.inputs, self.n_base, self.limits = tests, inputs, n_base, limits
+        self.in_sandbox = set(expected.in_sandbox)
+        self.wanted = [_MATCHED_IN_SANDBOX if i in self.in_sandbox else v for i, v in enumerate(expected.outputs)]
+        self.outputs: list[Any] = []  # outputs[i] is what input i returned, in order
+        self.failure: list[str] = []
+        self.passed = 0  # inputs EvalPlus has accepted
+
+    def phase(self, i: int) -> tuple[str, int, int]:
+        return ("base", 0, self.n_base) if i < self.n_base else ("plus", self.n_base, len(self.inputs))
+
+    def judge(self, start: int) -> bool:
+        """EvalPlus's verdict on the outputs of the phase starting at `start` received so far."""
+        t = self.tests
+        bad = evalplus_first_rejected(t.flavor, t.entry_point, self.inputs[start:], self.outputs[start:],
+                                      self.wanted[start:], t.atol)
+        if bad is None:
+            self.passed = len(self.outputs)
+            return True
+        i = self.passed = start + bad
+        self.failure.append(f"{self.phase(i)[0]} input #{i}: wrong output {_short(self.outputs[i])} "
+                            f"(expected {_short(self.wanted[i])})")
+        return False
+
+    def on_output(self, out: CallOutput) -> bool:
+        i = out.index
+        name, start, end = self.phase(i)
+        if out.timed_out:
+            problem = f"exceeded its {self.limits[i]:.2f}s time limit"
+        elif out.error is not None:
+            problem = f"raised {out.error}"
+        elif i in self.in_sandbox and not out.matches_reference:
+            problem = "gave a wrong output (compared in the sandbox)"
+        elif out.too_large and i not in self.in_sandbox:
+            problem = f"output has more than {MAX_SHIPPED_ITEMS} elements"
+        else:
+            problem = None
+            self.outputs.append(_MATCHED_IN_SANDBOX if i in self.in_sandbox else out.value)
+        count = len(self.outputs) - start
+        # judge what came before a failed call first, so that the first failure in order is the one reported
+        due = count > 0 and (problem is not None or count == end - start or count & (count - 1) == 0)
+        if due and not self.judge(start):
+            return False
+        if problem is not None:
+            self.failure.append(f"{name} input #{i} {problem}")
+            return False
+        return True
+
+    def verdict(self, result) -> CodeVerdict:
+        n = len(self.inputs)
+        summary = f"{self.passed}/{n} inputs passed ({self.n_base} base, {n - self.n_base} plus)"
+        if self.failure:
+            return CodeVerdict(passed=False, status="fail", detail=f"{self.failure[0]}; {summary}")
+        if result.status == "timeout":
+            return CodeVerdict(passed=False, status="timeout", detail=f"{result.detail}; {summary}")
+        if result.status != "passed" or self.passed != n:
+            return CodeVerdict(passed=False, status="fail", detail=f"{result.detail}; {summary}")
+        return CodeVerdict(passed=True, status="pass", detail=summary)
