@@ -11,13 +11,10 @@ takes no float64; the eager side is the same paged attention uncompiled (`compil
 
 from __future__ import annotations
 
-import os
 import re
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._dynamo.utils import counters
 
@@ -29,6 +26,7 @@ from mbd.model import KVCache, TPGroup, build_model, load_checkpoint, save_check
 from mbd.model.llada2_moe import LLaDA2SparseMoE
 from mbd.tokenizer import Tokenizer
 from tests.conftest import tiny_cfg
+from tests.unit.gloo import free_port, gloo_group
 from tests.unit.structured_helpers import SCHEMAS, build_bpe
 
 PROMPTS = [list(range(3, 13)), [5, 9, 2], list(range(20, 28)), list(range(30, 47))]
@@ -125,25 +123,14 @@ def test_compiled_structured_output_equals_eager():
     assert tokens(runs[0]) == tokens(runs[1]) and runs[0][0].finish_reason == "eos"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tp_worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         model, _ = load_checkpoint(ckpt, tp=TPGroup(rank, world))
         with torch.no_grad():
             model.lm_head.weight.mul_(10.0)
         res = Engine(model, None, dcfg(), engine_cfg()).generate(PROMPTS[:2])
         if rank == 0:
             torch.save({"tokens": [r.token_ids for r in res]}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(1200)
@@ -151,7 +138,7 @@ def test_compiled_tp2_over_gloo_equals_tp1(tmp_path):
     """Each rank compiles its shard's layer with the all-reduces traced as functional collectives."""
     cfg = tiny_cfg("sdar")
     save_checkpoint(build_model(cfg, seed=7), cfg, tmp_path / "ck")
-    mp.start_processes(_tp_worker, args=(2, _port(), str(tmp_path / "ck"), str(tmp_path / "out.pt")), nprocs=2,
+    mp.start_processes(_tp_worker, args=(2, free_port(), str(tmp_path / "ck"), str(tmp_path / "out.pt")), nprocs=2,
                        start_method="spawn")
     model, _ = load_checkpoint(tmp_path / "ck")
     with torch.no_grad():

@@ -3,12 +3,10 @@ counts return to zero, the same bytes hold more short requests than per-row rows
 page tables. Tiny tempered float64 models as in test_decoding_engine (several blocks active at once)."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mbd.decoding import Engine, EngineConfig, cache_manager
@@ -16,7 +14,7 @@ from mbd.decoding.runner import span_bucket
 from mbd.model import KVCache, TPGroup, build_model, load_checkpoint, save_checkpoint
 from tests.conftest import tiny_cfg
 from tests.unit.test_decoding_engine import dcfg, tempered_model
-from tests.unit.test_tp import _port
+from tests.unit.gloo import free_port, gloo_group
 
 SHARED = [3 + (7 * i) % 58 for i in range(40)]  # a 40-token "system prompt": two full pages of 16
 MODES = {"singlebd": dict(buffer_size=1), "multibd": dict(buffer_size=3),
@@ -131,10 +129,7 @@ def test_the_same_kv_bytes_hold_four_times_the_short_requests():
 
 
 def _tp_worker(rank, world, port, ckpt, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         model, mcfg = load_checkpoint(ckpt, tp=TPGroup(rank, world))
         eng = Engine(model, None, dcfg(buffer_size=3), EngineConfig(max_batch_rows=4, kv_cache_bytes=9 * KVCache.page_bytes(mcfg, 16, torch.float32, model.tp)))
         for p in prompts(6):
@@ -145,8 +140,6 @@ def _tp_worker(rank, world, port, ckpt, out):
             tables.append([list(t) for t in eng.kv.tables])
         Path(f"{out}.{rank}").write_text(json.dumps(
             {"tables": tables, "stats": [eng.stats.preemptions, eng.stats.prefix_hit_tokens]}))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tp2_ranks_keep_the_same_page_tables(tmp_path):
@@ -156,7 +149,7 @@ def test_tp2_ranks_keep_the_same_page_tables(tmp_path):
         model.lm_head.weight.mul_(10.0)
     save_checkpoint(model, cfg, tmp_path / "ck")
     out = tmp_path / "tables"
-    mp.start_processes(_tp_worker, args=(2, _port(), str(tmp_path / "ck"), str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(_tp_worker, args=(2, free_port(), str(tmp_path / "ck"), str(out)), nprocs=2, start_method="spawn")
     r0, r1 = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
     assert r0 == r1
     preemptions, hits = r0["stats"]

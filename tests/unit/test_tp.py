@@ -1,23 +1,14 @@
 """TP=2 over two gloo processes gives the same logits as TP=1, for both families, with and without cache."""
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mbd.model import KVCache, TPGroup, load_checkpoint, save_checkpoint, build_model
 from mbd.model.attention import Cached, Masked
 from mbd.model.masks import block_causal_dense
 from tests.conftest import tiny_cfg
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.unit.gloo import free_port, gloo_group
 
 
 def _forward(model, cfg, ids):
@@ -34,17 +25,12 @@ def _forward(model, cfg, ids):
 
 
 def _worker(rank, world, port, ckpt, ids, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         model, cfg = load_checkpoint(ckpt, tp=TPGroup(rank, world))
         with torch.no_grad():
             full, cached = _forward(model, cfg, ids)
         if rank == 0:
             torch.save({"full": full, "cached": cached}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -56,7 +42,7 @@ def test_tp2_equals_tp1(tmp_path, family, tied):
     with torch.no_grad():
         want_full, want_cached = _forward(model, cfg, ids)
     out = tmp_path / "out.pt"
-    mp.start_processes(_worker, args=(2, _port(), str(tmp_path / "ck"), ids, str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(2, free_port(), str(tmp_path / "ck"), ids, str(out)), nprocs=2, start_method="spawn")
     got = torch.load(out, weights_only=True)
     torch.testing.assert_close(got["full"], want_full, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(got["cached"], want_cached, atol=1e-5, rtol=1e-4)
