@@ -188,7 +188,8 @@ def aup_gain(first: Sequence[Curve], other: Sequence[Curve], resamples: int, see
 def judge_aup(cid: str, variants: Sequence[Sequence[Curve]] | None, resamples: int = 2000, seed: int = 0) -> Claim:
     """Claims (d)/(e): the first variant's AUP beats every other's; `variants`: each one's curves, one per training
     seed (the same seeds for every variant)."""
-    if not variants or len(variants) < 2 or any(not v or c.correct.shape[0] < 2 for v in variants for c in v):
+    if not variants or len(variants) < 2 or not all(variants) or \
+            any(c.correct.shape[0] < 2 for v in variants for c in v):
         return _not_run(cid, "its variants (with >= 2 curve points each) were not run")
     first, verdicts, parts, test = variants[0], [], [], ""
     for other in variants[1:]:

@@ -67,6 +67,7 @@ def test_claims_d_e_bootstrap_the_aup_difference():
     assert judge_aup("e", [[best], [best], [worse]], resamples=300).verdict == "INCONCLUSIVE"  # a tie is no win
     assert judge_aup("e", None).verdict == "NOT RUN"
     assert judge_aup("e", [[curve("one point", 900)], [curve("x", 800)]]).verdict == "NOT RUN"
+    assert judge_aup("e", [[best], []]).verdict == "NOT RUN"  # a variant without a single trained seed
 
 
 def test_claim_a_over_seeds_is_not_decided_by_one_run():
