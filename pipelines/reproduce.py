@@ -1,23 +1,32 @@
-"""`mbd reproduce`: the paper's qualitative claims, re-measured on the embedded tiny model (18 minutes with 300
-training steps, about 35 with the default 800, on 2 CPU cores; docs/reproduce.md holds the last measured report).
+"""`mbd reproduce`: the paper's qualitative claims, re-measured on the embedded tiny model (docs/reproduce.md holds
+the last measured report and the time of each part on 2 CPU cores).
 
     mbd reproduce                                      # all parts -> runs/reproduce/reproduce.md
     mbd reproduce --parts core                         # claims (a), (b), (c), (f) only
+    mbd reproduce --parts core --seeds 3               # every variant trained with 3 seeds, claims over seeds
     mbd reproduce --parts schedulers --steps 150       # claim (d); reuses what earlier runs stored
     mbd reproduce --report-only                        # rewrite the report from what is stored
 
 Claims (paper section), each judged by a stated test on the same held-out problems (mbd.eval.claims): a 95%
 interval wholly on the claim's side of its threshold is REPRODUCED, wholly on the other side NOT REPRODUCED,
-straddling it INCONCLUSIVE (the data cannot tell at this n):
-  (a) MBD TPF >= 1.78x SingleBD at accuracy >= SingleBD - 1 pp: paired Wald CI of the accuracy difference
-      above -1 pp (non-inferiority)                                                (tab:main_results, tab:tps)
+straddling it INCONCLUSIVE (the data cannot tell at this n). Claims (a)-(c) are judged at the operating points
+on eval.claim_problems (10,000) held-out problems, the AUP claims on the curves' eval.problems (1,000):
+  (a) MBD TPF >= 1.78x SingleBD at accuracy >= SingleBD - 1 pp: CI of the accuracy difference above -1 pp
+      (non-inferiority)                                                            (tab:main_results, tab:tps)
   (b) training-free MultiBD raises TPF but loses accuracy: paired CI of the loss above 0 (exact McNemar beside)
-  (c) MultiTF recovers >= half of that loss: paired CI of Acc(MBD) - Acc(training-free) above half the loss
+  (c) MultiTF recovers >= half of that loss: CI of Acc(MBD) - Acc(training-free) above half the loss
   (d) chain-uniform has the best AUP among chain-uniform / D2F-monotonic / random / sorted-uniform, and
-  (e) systematic + random group-layouts beat each alone in AUP: paired-bootstrap CI (over problems) of each AUP
-      difference above 0; every MultiBD curve sweeps tau_m2t down to 0.5, tau_add and buffer_size (tab:ablation)
+  (e) systematic + random group-layouts beat each alone in AUP: CI of each AUP difference above 0; every
+      MultiBD curve sweeps tau_m2t down to 0.5, tau_add and buffer_size                       (tab:ablation)
   (f) active blocks per forward: mean about 2 (bootstrap CI over requests inside [1.5, 2.5]), 3 or more
       occasionally (0 < share <= 50%)                                     (fig:train_infer_noise_activity D-E)
+With one seed the CIs are over problems (paired Wald, paired bootstrap for AUP): they judge the one trained model.
+With `--seeds N` every variant is trained N times (seed s: the quickstart recipe with `seed: s`, so its corpus,
+layouts, noise and row order), and (a), (c), (d), (e) are judged over seeds (`mbd.eval.stats.seed_interval`):
+the mean of the per-seed differences with a Student-t interval whose variance adds the seed-to-seed spread to
+the problems' share (Welch-Satterthwaite degrees of freedom: about N-1 when the seeds disagree). A seed-level
+test, not a pooled one: a paired test over problems pooled across seeds treats the N trained models as fixed, so
+one run 4 pp off would move its verdict as much as the problems allow; here such a run widens the interval.
 Every MBD variant post-trains the shipped base with the same corpus, steps and optimiser as `mbd quickstart`
 (the knobs of configs/quickstart.yaml) and differs only in the noise-scheduler or the group-layouts. The
 expansion job has no random-only mode: that variant is expanded with as many random layouts as there are
@@ -41,13 +50,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from mbd.config import ConfigError, resolve_path
 from mbd.eval.claims import Claim, Curve, claims_table, judge_active, judge_aup, judge_main
-from mbd.eval.report import MethodRow, method_table
+from mbd.eval.report import MethodRow, SweepSummary, method_table
 from mbd.eval.sweep import ResultStore
 from mbd.multitf.layouts import num_layouts
 from pipelines.ray_session import ray_session
 from pipelines.stages import (BENCHMARK, DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, ExpandSection, MethodSpec,
-                              QuickstartConfig, Stages, curves_of, expand_stage, load_config, point_name, rows_of,
-                              section_title, sweep_config, train_stage, write_corpus)
+                              QuickstartConfig, Stages, curves_of, expand_stage, load_config, overrides_of, point_name,
+                              rows_of, section_title, sweep_config, train_stage, write_corpus)
 
 __all__ = ["run_reproduce", "main"]
 
@@ -75,6 +84,35 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
+class Run(NamedTuple):
+    """One variant trained with one seed: the quickstart recipe with `seed: seed` (corpus, layouts and noise, row
+    order). The config's own seed keeps the names a one-seed run has always had."""
+
+    variant: str
+    seed: int
+    first: bool
+
+    @property
+    def key(self) -> str:
+        return self.variant if self.first else f"{self.variant}-s{self.seed}"
+
+    @property
+    def model(self) -> str:
+        return f"mbd-{self.key}"
+
+    @property
+    def label(self) -> str:
+        return VARIANTS[self.variant].label + ("" if self.first else f" [seed {self.seed}]")
+
+
+def runs_of(cfg: QuickstartConfig, variants: Sequence[str], seeds: int) -> list[Run]:
+    return [Run(v, cfg.seed + k, k == 0) for v in variants for k in range(seeds)]
+
+
+def corpus_of(run: Path, r: Run) -> Path:
+    return run / "corpus" / ("train.jsonl" if r.first else f"train-s{r.seed}.jsonl")
+
+
 # ---------------------------------------------------------------- work
 
 def keep_random_layouts(batch: pa.Table) -> pa.Table:
@@ -90,18 +128,18 @@ def variant_expand(cfg: QuickstartConfig, name: str) -> ExpandSection:
                                          "scheduler": cfg.expand.scheduler.model_copy(update={"name": v.scheduler})})
 
 
-def expand_variant(cfg: QuickstartConfig, run: Path, base: Path, name: str) -> str:
-    """Rows of one variant (skipped when its expand.json exists); returns the rows directory."""
+def expand_variant(cfg: QuickstartConfig, run: Path, base: Path, r: Run) -> str:
+    """Rows of one run (skipped when its expand.json exists); returns the rows directory."""
     import ray
 
-    v, out = VARIANTS[name], run / "variants" / name / "layouts"
+    v, out = VARIANTS[r.variant], run / "variants" / r.key / "layouts"
     done = out / "expand.json"
     if done.is_file():
         print(f"    stored: {out}")
         return json.loads(done.read_text())["rows_dir"]
-    expand = variant_expand(cfg, name)
-    summary = expand_stage(cfg, run / "corpus" / "train.jsonl", out / ("all" if v.layouts == "random" else ""),
-                           base, expand)
+    expand = variant_expand(cfg, r.variant)
+    summary = expand_stage(cfg.model_copy(update={"seed": r.seed}), corpus_of(run, r),
+                           out / ("all" if v.layouts == "random" else ""), base, expand)
     rows_dir = summary.rows_dir
     if v.layouts == "random":
         rows_dir = str(out / "rows")
@@ -112,66 +150,87 @@ def expand_variant(cfg: QuickstartConfig, run: Path, base: Path, name: str) -> s
     return rows_dir
 
 
-def train_variant(cfg: QuickstartConfig, run: Path, base: Path, name: str, rows_dir: str, progress: bool) -> Path:
-    model = run / "variants" / name / "model"
+def train_variant(cfg: QuickstartConfig, run: Path, base: Path, r: Run, rows_dir: str, progress: bool) -> Path:
+    model = run / "variants" / r.key / "model"
     if (model / "config.json").is_file():
         print(f"    stored: {model}")
         return model
-    train_stage(cfg, run / "variants" / name, base, rows_dir, progress, export_dir=model,
-                checkpoint_every=min(CHECKPOINT_EVERY, cfg.train.steps))
+    train_stage(cfg.model_copy(update={"seed": r.seed}), run / "variants" / r.key, base, rows_dir, progress,
+                export_dir=model, checkpoint_every=min(CHECKPOINT_EVERY, cfg.train.steps))
     return model
 
 
-def methods_for(cfg: QuickstartConfig, variants: Sequence[str]) -> list[MethodSpec]:
-    """(label, key, decode YAML, model) for the sweep: the base under SingleBD and MultiBD, each variant under
-    MultiBD (one AUP curve each)."""
+def methods_for(cfg: QuickstartConfig, runs: Sequence[Run]) -> list[MethodSpec]:
+    """(label, key, decode YAML, model) for the sweep: the base under SingleBD and MultiBD, each run under MultiBD
+    (one AUP curve each)."""
     out = [(SINGLEBD, "singlebd", cfg.eval.singlebd, "base"), (MULTIBD_TF, "multibd-tf", cfg.eval.multibd, "base")]
-    return out + [(VARIANTS[v].label, f"mbd-{v}", cfg.eval.multibd, f"mbd-{v}") for v in variants]
+    return out + [(r.label, r.model, cfg.eval.multibd, r.model) for r in runs]
+
+
+def claim_methods(methods: Sequence[MethodSpec], runs: Sequence[Run]) -> list[MethodSpec]:
+    """The methods of claims (a)-(c): the base under SingleBD and MultiBD, and the chain-uniform runs."""
+    keep = {SINGLEBD, MULTIBD_TF} | {r.label for r in runs if r.variant == "chain"}
+    return [m for m in methods if m[0] in keep]
+
+
+def complete(cfg: QuickstartConfig, methods: Sequence[MethodSpec], stored: set[tuple[str, str]],
+             operating: bool = False) -> list[MethodSpec]:
+    """The methods whose every point (`operating`: the operating point) is in `stored` (model, config) cells."""
+    return [m for m in methods
+            if all((m[3], point_name(m[1], o)) in stored for o in overrides_of(cfg, m[2], operating))]
 
 
 # ---------------------------------------------------------------- claims and report
 
-def judge_all(cfg: QuickstartConfig, run: Path, methods: Sequence[MethodSpec],
-              stored: set[tuple[str, str]]) -> list[Claim]:
-    """Every claim from the per-problem records stored for the complete methods (others are NOT RUN)."""
-    complete = [m for m in methods if all((m[3], point_name(m[1], o)) in stored for o in cfg.eval.overrides(m[2]))]
-    curves = curves_of(cfg, run, complete)
+def judge_all(cfg: QuickstartConfig, run: Path, runs: Sequence[Run], stored: set[tuple[str, str]],
+              claim_stored: set[tuple[str, str]]) -> list[Claim]:
+    """Every claim from the per-problem records stored for the complete methods (others are NOT RUN): (a)-(c) from
+    the operating points on eval.claim_problems (`claim_stored`), (d) and (e) from the curves on eval.problems."""
+    methods = methods_for(cfg, runs)
+    curves = curves_of(cfg, run / "eval", complete(cfg, methods, stored))
+    main = curves_of(cfg, run / "claims", complete(cfg, claim_methods(methods, runs), claim_stored, operating=True),
+                     cfg.eval.claim_problems, operating=True)
 
-    def group(part: str) -> list[Curve] | None:
-        labels = [VARIANTS[v].label for v in PARTS[part]]
-        return [curves[label] for label in labels] if all(label in curves for label in labels) else None
+    def seeds(variant: str, pool: dict[str, Curve]) -> list[Curve] | None:
+        labels = [r.label for r in runs if r.variant == variant]
+        return [pool[label] for label in labels] if labels and all(label in pool for label in labels) else None
 
-    chain = VARIANTS["chain"].label
+    def group(part: str) -> list[list[Curve]] | None:
+        found = [seeds(v, curves) for v in PARTS[part]]
+        return None if any(f is None for f in found) else found
+
     store = ResultStore(run / "eval")
-    traces = store.load_traces("mbd-chain", point_name("mbd-chain", cfg.eval.curve[0]), BENCHMARK)
-    return [*judge_main(curves.get(SINGLEBD), curves.get(MULTIBD_TF), curves.get(chain)),
-            judge_aup("d", group("schedulers")), judge_aup("e", group("layouts")),
-            judge_active(list(traces.values()))]
+    traces = [t for r in runs if r.variant == "chain"
+              for t in store.load_traces(r.model, point_name(r.model, cfg.eval.curve[0]), BENCHMARK).values()]
+    return [*judge_main(main.get(SINGLEBD), main.get(MULTIBD_TF), seeds("chain", main)),
+            judge_aup("d", group("schedulers")), judge_aup("e", group("layouts")), judge_active(traces)]
 
 
-def write_report(path: Path, cfg: QuickstartConfig, rows: dict[str, MethodRow], claims: Sequence[Claim],
-                 wall_s: dict[str, float], sweep_report: str) -> str:
-    def table(labels: Sequence[str], title: str) -> str:
+def write_report(path: Path, cfg: QuickstartConfig, runs: Sequence[Run], rows: dict[str, MethodRow],
+                 claims: Sequence[Claim], wall_s: dict[str, float], sweep_report: str) -> str:
+    def table(variants: Sequence[str], title: str, base: Sequence[str] = (SINGLEBD,)) -> str:
+        labels = [*base, *(r.label for v in variants for r in runs if r.variant == v)]
         return method_table([rows[label] for label in labels if label in rows], title, BENCHMARK)
 
-    t = cfg.train
+    t, seeds = cfg.train, sorted({r.seed for r in runs})
     lines = [
         "# `mbd reproduce`: the paper's claims on the tiny model", "",
         f"Base: `{cfg.base_model}`; corpus: {cfg.corpus.problems} tinymath train problems; MultiTF: {t.steps} "
         f"steps, {t.num_workers} workers x micro-batch {t.micro_batch_size}, ZeRO-{t.zero_stage}, lr {t.lr}; "
-        f"G_max {cfg.expand.gmax}, N_rand {cfg.expand.n_rand}; evaluation: first {cfg.eval.problems} held-out "
-        f"problems, greedy; AUP over the TPF-sorted curve points {cfg.eval.curve} (+ {cfg.eval.multibd_curve} for "
-        f"MultiBD methods; the paper's trapezoid formula; the first point is the operating point in the "
-        f"Acc/TPF columns; no TPS column: per-cell sweep timings are not comparable across rows). Seed {cfg.seed}. "
-        f"Verdicts: REPRODUCED / NOT REPRODUCED when the stated 95% "
-        f"interval lies on one side of the claim's threshold, INCONCLUSIVE when it straddles it.", "",
+        f"G_max {cfg.expand.gmax}, N_rand {cfg.expand.n_rand}; seeds {seeds} (each a fresh run: corpus, layouts, "
+        f"noise, row order). Claims (a)-(c): operating points on the first {cfg.eval.claim_problems} held-out "
+        f"problems. Tables and claims (d)-(f): first {cfg.eval.problems} held-out problems, greedy; AUP over the "
+        f"TPF-sorted curve points {cfg.eval.curve} (+ {cfg.eval.multibd_curve} for MultiBD methods; the paper's "
+        f"trapezoid formula; the first point is the operating point in the Acc/TPF columns; no TPS column: "
+        f"per-cell sweep timings are not comparable across rows). Verdicts: REPRODUCED / NOT REPRODUCED when the "
+        f"stated 95% interval lies on one side of the claim's threshold, INCONCLUSIVE when it straddles it.", "",
         "## Claims", "", claims_table(claims), "",
         "## Main comparison (tab:main_results layout)", "",
-        table([SINGLEBD, MULTIBD_TF, VARIANTS["chain"].label], section_title(cfg)), "",
+        table(["chain"], section_title(cfg), (SINGLEBD, MULTIBD_TF)), "",
         "## Noise-scheduler ablation (tab:ablation)", "",
-        table([SINGLEBD] + [VARIANTS[v].label for v in PARTS["schedulers"]], "block-level noise-scheduler"), "",
+        table(PARTS["schedulers"], "block-level noise-scheduler"), "",
         "## Group-layout ablation (tab:ablation)", "",
-        table([SINGLEBD] + [VARIANTS[v].label for v in PARTS["layouts"]], "noise-group layouts"), "",
+        table(PARTS["layouts"], "noise-group layouts"), "",
         "Wall time per step (s, the longest run of each when resumed): "
         + ", ".join(f"{k} {v:.0f}" for k, v in wall_s.items()), "",
         f"Full sweep report (every curve point, TPS table, plots): `{sweep_report}`", "",
@@ -183,52 +242,72 @@ def write_report(path: Path, cfg: QuickstartConfig, rows: dict[str, MethodRow], 
 
 # ---------------------------------------------------------------- driver
 
+def train_all(cfg: QuickstartConfig, run: Path, base: Path, runs: Sequence[Run], stages: Stages,
+              progress: bool) -> None:
+    """Each seed's corpus, then every run's expansion and training (stored ones are skipped)."""
+    with stages.run("corpus", f"{cfg.corpus.problems} tinymath train-split problems per seed"):
+        for r in {r.seed: r for r in runs}.values():
+            write_corpus(corpus_of(run, r), cfg.corpus.problems, r.seed)
+    for r in runs:
+        with stages.run(f"expand:{r.key}", r.label):
+            rows_dir = expand_variant(cfg, run, base, r)
+        with stages.run(f"train:{r.key}", f"{cfg.train.steps} MultiTF steps, seed {r.seed}"):
+            train_variant(cfg, run, base, r, rows_dir, progress)
+
+
 def run_reproduce(cfg: QuickstartConfig, run: Path, parts: Sequence[str], progress: bool = True,
-                  report_only: bool = False) -> tuple[list[Claim], Path]:
+                  report_only: bool = False, seeds: int = 1) -> tuple[list[Claim], Path]:
     base = resolve_path(cfg.base_model)
     if not (base / "config.json").is_file():
         raise ConfigError(f"base_model: {cfg.base_model} has no config.json (train it with `mbd pretrain-tiny`)")
-    variants = list(dict.fromkeys(v for p in parts for v in PARTS[p]))
+    runs = runs_of(cfg, list(dict.fromkeys(v for p in parts for v in PARTS[p])), seeds)
     run.mkdir(parents=True, exist_ok=True)
-    plan = [] if report_only else ["corpus"] + [f"{w}:{v}" for v in variants for w in ("expand", "train")] + ["eval"]
+    plan = [] if report_only else ["corpus", *(f"{w}:{r.key}" for r in runs for w in ("expand", "train")), "eval",
+                                   "claims"]
     stages = Stages(plan)
-    models = [("base", base)] + [(f"mbd-{v}", run / "variants" / v / "model") for v in variants]
-    methods = methods_for(cfg, variants)
-    sweep = sweep_config(cfg, run / "eval", models, methods)
+    models = [("base", base)] + [(r.model, run / "variants" / r.key / "model") for r in runs]
+    methods = methods_for(cfg, runs)
+    chain = claim_methods(methods, runs)
+    sweeps = {"eval": sweep_config(cfg, run / "eval", models, methods),
+              "claims": sweep_config(cfg, run / "claims", [m for m in models if m[0] in {c[3] for c in chain}], chain,
+                                     cfg.eval.claim_problems, operating=True)}
     if not report_only:
         with ray_session(run, cfg.num_cpus):
             import ray
 
             ray.data.DataContext.get_current().enable_progress_bars = False  # expand prints its summary
-            with stages.run("corpus", f"{cfg.corpus.problems} tinymath train-split problems"):
-                write_corpus(run / "corpus" / "train.jsonl", cfg.corpus.problems, cfg.seed)
-            for v in variants:
-                with stages.run(f"expand:{v}", VARIANTS[v].label):
-                    rows_dir = expand_variant(cfg, run, base, v)
-                with stages.run(f"train:{v}", f"{cfg.train.steps} MultiTF steps"):
-                    train_variant(cfg, run, base, v, rows_dir, progress)
+            train_all(cfg, run, base, runs, stages, progress)
             from pipelines.eval_sweep import run_sweep
 
             with stages.run("eval", f"{len(methods)} methods x their curve points x {cfg.eval.problems} "
                                     f"held-out problems (stored problems are skipped)"):
-                summary = run_sweep(sweep, progress=progress)
+                summary = run_sweep(sweeps["eval"], progress=progress)
+            with stages.run("claims", f"claims (a)-(c): {len(chain)} operating points x {cfg.eval.claim_problems} "
+                                      f"held-out problems"):
+                claimed = run_sweep(sweeps["claims"], progress=progress)
     else:
         from mbd.eval.report import write_sweep_report
         from mbd.eval.sweep import load_problems
 
-        summary = write_sweep_report(sweep, load_problems(sweep))
+        summary, claimed = (write_sweep_report(s, load_problems(s)) for s in sweeps.values())
+    return report(cfg, run, runs, summary, claimed, stages)
+
+
+def report(cfg: QuickstartConfig, run: Path, runs: Sequence[Run], summary: SweepSummary, claimed: SweepSummary,
+           stages: Stages) -> tuple[list[Claim], Path]:
+    """Judge the claims from what the two sweeps stored and write reproduce.md."""
     stored = {(c.model, c.config) for c in summary.cells if c.n == cfg.eval.problems}
-    complete = [m for m in methods if all((m[3], point_name(m[1], o)) in stored for o in cfg.eval.overrides(m[2]))]
-    rows = {r.method: r for r in rows_of(cfg, summary.cells, complete)}
-    claims = judge_all(cfg, run, methods, stored)
+    claim_stored = {(c.model, c.config) for c in claimed.cells if c.n == cfg.eval.claim_problems}
+    rows = {r.method: r for r in rows_of(cfg, summary.cells, complete(cfg, methods_for(cfg, runs), stored))}
+    claims = judge_all(cfg, run, runs, stored, claim_stored)
     # a resumed run skips stored steps in ~0 s: keep each step's longest measured wall time across runs
     saved = run / "wall_s.json"
     wall = json.loads(saved.read_text()) if saved.is_file() else {}
     wall |= {k: max(v, wall.get(k, 0.0)) for k, v in stages.wall_s.items()}
     saved.write_text(json.dumps(wall, indent=2))
-    report = run / "reproduce.md"
-    write_report(report, cfg, rows, claims, wall, summary.report_path)
-    return claims, report
+    path = run / "reproduce.md"
+    write_report(path, cfg, runs, rows, claims, wall, summary.report_path)
+    return claims, path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -237,8 +316,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="QuickstartConfig YAML (the shared knobs)")
     ap.add_argument("--run-dir", default="runs/reproduce")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--seeds", type=int, default=1, help="training runs per variant (seeds seed .. seed+N-1); "
+                                                         ">= 2 judges (a), (c), (d), (e) over seeds")
     ap.add_argument("--steps", type=int, help="override train.steps of every variant")
-    ap.add_argument("--problems", type=int, help="override eval.problems")
+    ap.add_argument("--problems", type=int, help="override eval.problems (the curves, claims (d)-(f))")
+    ap.add_argument("--claim-problems", type=int, help="override eval.claim_problems (claims (a)-(c))")
     ap.add_argument("--corpus", type=int, help="override corpus.problems")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="override a QuickstartConfig field, e.g. --set train.lr=3e-4")
@@ -246,22 +328,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     sets = [f"{k}={v}" for k, v in {"train.steps": args.steps, "eval.problems": args.problems,
+                                    "eval.claim_problems": args.claim_problems,
                                     "corpus.problems": args.corpus}.items() if v is not None] + args.sets
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     try:
         unknown = sorted(set(parts) - set(PARTS))
         if unknown or not parts:
             raise ConfigError(f"--parts: unknown {unknown or parts}; choose from {','.join(PARTS)}")
+        if args.seeds < 1:
+            raise ConfigError(f"--seeds: {args.seeds} must be >= 1")
         cfg = load_config(args.config, sets)
         t0 = time.perf_counter()
-        claims, report = run_reproduce(cfg, Path(args.run_dir), parts, not args.no_progress, args.report_only)
+        claims, path = run_reproduce(cfg, Path(args.run_dir), parts, not args.no_progress, args.report_only,
+                                     args.seeds)
     except ConfigError as e:
         print(f"mbd reproduce: {e}", file=sys.stderr)
         return 2
     print()
     for c in claims:
         print(f"({c.id}) {c.verdict:<15} {c.text}\n    test: {c.test}\n    {c.evidence}")
-    print(f"\nreport: {report} ({time.perf_counter() - t0:.0f} s)")
+    print(f"\nreport: {path} ({time.perf_counter() - t0:.0f} s)")
     return 0
 
 

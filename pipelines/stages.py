@@ -24,7 +24,7 @@ from mbd.multitf.schedulers import SchedulerConfig
 
 __all__ = ["DEFAULT_CONFIG", "BENCHMARK", "SINGLEBD", "MULTIBD_TF", "MethodSpec", "QuickstartConfig", "ExpandSection",
            "load_config", "Stages", "write_corpus", "expand_stage", "train_config", "train_stage", "point_name",
-           "sweep_config", "as_methods", "rows_of", "tps_stage", "curves_of", "section_title"]
+           "sweep_config", "as_methods", "rows_of", "tps_stage", "curves_of", "section_title", "overrides_of"]
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
 BENCHMARK = "tinymath"
@@ -62,6 +62,9 @@ class TrainSection(StrictModel):
 
 class EvalSection(StrictModel):
     problems: int = Field(default=1000, gt=0, description="first N problems of the held-out split")
+    claim_problems: int = Field(default=10000, gt=0, description="`mbd reproduce`: first N held-out problems of "
+                                "claims (a)-(c), decoded at the operating points only (the quickstart's 1,000 give a "
+                                "5 pp wide interval, these about 1.6 pp)")
     singlebd: str = "configs/decode/tiny_singlebd.yaml"
     multibd: str = "configs/decode/tiny_multibd.yaml"
     curve: list[dict[str, Any]] = Field(default=[{}, {"tau_m2t": 0.7}, {"tau_m2t": 0.5}], min_length=1,
@@ -99,7 +102,8 @@ class QuickstartConfig(StrictModel):
     run_dir: str = "runs/quickstart"
     base_model: str = "mbd/assets/tiny"
     num_cpus: int = Field(default=2, ge=1)
-    seed: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, description="corpus draw (CORPUS_SEED_OFFSET + seed), layouts and noise, "
+                                                  "training row order")
     corpus: CorpusSection = CorpusSection()
     expand: ExpandSection = ExpandSection()
     train: TrainSection = TrainSection()
@@ -113,9 +117,11 @@ class QuickstartConfig(StrictModel):
 
         if self.corpus.problems > split_size("train"):
             raise ValueError(f"corpus.problems={self.corpus.problems}: the train split holds {split_size('train')}")
-        held = len(get_benchmark(BENCHMARK).load(limit=self.eval.problems))
-        if held < self.eval.problems:
-            raise ValueError(f"eval.problems={self.eval.problems}: the {BENCHMARK} benchmark holds {held}")
+        for field in ("problems", "claim_problems"):
+            want = getattr(self.eval, field)
+            held = len(get_benchmark(BENCHMARK).load(limit=want))
+            if held < want:
+                raise ValueError(f"eval.{field}={want}: the {BENCHMARK} benchmark holds {held}")
         for path in (self.eval.singlebd, self.eval.multibd):
             self.eval.points(path)  # a bad decode file or override fails before any stage runs
         return self
@@ -145,10 +151,17 @@ class Stages:
         print(f"==> [{i}/{n}] {name}: done, wall time {self.wall_s[name]:.1f} s", flush=True)
 
 
+CORPUS_SEED_OFFSET = 1000  # the post-training corpus's draw, kept apart from `mbd pretrain-tiny --seed S` (S < 1000)
+
+
 def write_corpus(path: Path, problems: int, seed: int) -> Path:
+    """`problems` tinymath train-split records drawn with seed CORPUS_SEED_OFFSET + `seed`. Drawn with `seed` itself
+    they would be `mbd pretrain-tiny`'s first records of the same seed word for word (seed 0: the shipped base's
+    own first 2,000 pretraining records), and post-training on them left MBD-tiny 3-6 pp below runs on fresh
+    draws (docs/reproduce.md)."""
     from mbd.tiny.task import generate, write_jsonl
 
-    return write_jsonl(path, generate("train", problems, seed))
+    return write_jsonl(path, generate("train", problems, CORPUS_SEED_OFFSET + seed))
 
 
 def expand_stage(cfg: QuickstartConfig, corpus: Path, out: Path, base: Path, expand: ExpandSection | None = None):
@@ -201,26 +214,33 @@ def point_name(key: str, override: dict[str, Any]) -> str:
     return key + "".join(f".{k}={v}" for k, v in override.items())
 
 
+def overrides_of(cfg: QuickstartConfig, path: str, operating: bool) -> list[dict[str, Any]]:
+    """The curve points of a method decoding with `path`, or only its operating point (point 0)."""
+    points = cfg.eval.overrides(path)
+    return points[:1] if operating else points
+
+
 def sweep_config(cfg: QuickstartConfig, out: Path, models: Sequence[tuple[str, Path]],
-                 methods: Sequence[MethodSpec]):
-    """SweepConfig over `models` (name, path) and `methods` (label, key, decode YAML, model name): one AUP curve
-    per method, its points being `eval.curve` applied to the method's decode YAML."""
+                 methods: Sequence[MethodSpec], problems: int | None = None, operating: bool = False):
+    """SweepConfig over `models` (name, path) and `methods` (label, key, decode YAML, model name) on the first
+    `problems` (default eval.problems) held-out problems: one AUP curve per method, its points being
+    `eval.curve` applied to the method's decode YAML (`operating`: the operating point only)."""
     from mbd.eval.sweep import SweepConfig
 
     decoding = [{"name": point_name(key, o), "config": str(resolve_path(path)), "overrides": o, "curve": label,
-                 "models": [model]} for label, key, path, model in methods for o in cfg.eval.overrides(path)]
+                 "models": [model]} for label, key, path, model in methods for o in overrides_of(cfg, path, operating)]
     return SweepConfig.model_validate({
         "name": out.parent.name, "output_dir": str(out),
         "models": [{"name": n, "path": str(p), "section": "tiny"} for n, p in models],
-        "decoding": decoding, "benchmarks": [{"name": BENCHMARK, "limit": cfg.eval.problems}],
+        "decoding": decoding, "benchmarks": [{"name": BENCHMARK, "limit": problems or cfg.eval.problems}],
         "engine": {"device": "cpu", "max_batch_rows": cfg.eval.batch_size}, "trace_problems": cfg.eval.trace_problems,
         "workers": 1, "cpus_per_worker": 1, "cpus_per_scorer": 0.5,
     })
 
 
-def as_methods(cfg: QuickstartConfig, methods: Sequence[MethodSpec]) -> list[Method]:
+def as_methods(cfg: QuickstartConfig, methods: Sequence[MethodSpec], operating: bool = False) -> list[Method]:
     """(label, key, decode YAML, model) -> report Methods whose configs are the sweep's curve-point names."""
-    return [Method(label=label, model=model, configs=[point_name(key, o) for o in cfg.eval.overrides(path)])
+    return [Method(label=label, model=model, configs=[point_name(key, o) for o in overrides_of(cfg, path, operating)])
             for label, key, path, model in methods]
 
 
@@ -229,13 +249,15 @@ def rows_of(cfg: QuickstartConfig, cells: Sequence[CellMetrics],
     return method_rows(cells, as_methods(cfg, methods), BENCHMARK)
 
 
-def curves_of(cfg: QuickstartConfig, run: Path, methods: Sequence[MethodSpec]) -> dict[str, Curve]:
-    """Per-problem records of each method's curve, on the evaluated held-out problems."""
+def curves_of(cfg: QuickstartConfig, store: Path, methods: Sequence[MethodSpec], problems: int | None = None,
+              operating: bool = False) -> dict[str, Curve]:
+    """Per-problem records of each method's curve (`operating`: its operating point only) stored under `store`, on
+    the first `problems` (default eval.problems) held-out problems."""
     from mbd.eval.benchmarks import get_benchmark
 
-    ids = [p.problem_id for p in get_benchmark(BENCHMARK).load(limit=cfg.eval.problems)]
-    store = ResultStore(run / "eval")
-    return {m.label: load_curve(store, m, BENCHMARK, ids) for m in as_methods(cfg, methods)}
+    ids = [p.problem_id for p in get_benchmark(BENCHMARK).load(limit=problems or cfg.eval.problems)]
+    results = ResultStore(store)
+    return {m.label: load_curve(results, m, BENCHMARK, ids) for m in as_methods(cfg, methods, operating)}
 
 
 def tps_stage(cfg: QuickstartConfig, sweep, methods: Sequence[MethodSpec],

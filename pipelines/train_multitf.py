@@ -167,22 +167,19 @@ def save_training_checkpoint(engine, cfg: TrainConfig, mcfg: ModelConfig, step: 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def train_loop(config: dict[str, Any]) -> None:
-    cfg = TrainConfig.model_validate(config["cfg"])
+def init_engine(cfg: TrainConfig) -> tuple[Any, ModelConfig, torch.device]:
+    """This worker's DeepSpeed engine (ZeRO 2 or 3 on Ray Train's process group) around the model, a plain torch
+    AdamW and the warm-up + cosine schedule; also its device and the model's config."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if cfg.use_gpu else "cpu")
     import deepspeed
-    import torch.distributed as dist
 
     from mbd.model import load_checkpoint
 
     torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     deepspeed.init_distributed(dist_backend="nccl" if cfg.use_gpu else "gloo")
     device = ray.train.torch.get_device() if cfg.use_gpu else torch.device("cpu")
     ds = cfg.deepspeed
-    bf16 = ds.use_bf16(cfg.use_gpu)
-    model, mcfg = load_checkpoint(cfg.model_path, dtype=torch.bfloat16 if bf16 else torch.float32)
+    model, mcfg = load_checkpoint(cfg.model_path, dtype=torch.bfloat16 if ds.use_bf16(cfg.use_gpu) else torch.float32)
     model.train()
     if ds.zero_stage == 3 and mcfg.family == "llada2_moe":
         # Experts run only on the tokens routed to them; fetching each expert's ZeRO-3 partition inside the
@@ -192,15 +189,81 @@ def train_loop(config: dict[str, Any]) -> None:
         deepspeed.utils.set_z3_leaf_modules(model, [LLaDA2SparseMoE])
     optimizer = torch.optim.AdamW(model.parameters(), **ds.adamw_kwargs())
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: ds.lr_factor(s, cfg.steps))
-    engine, optimizer, _, schedule = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                                          config=ds.ds_config(cfg.use_gpu))
-    start = 0
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            _, client = engine.load_checkpoint(str(Path(d) / "deepspeed"))
-        start = int(client["step"])
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                      config=ds.ds_config(cfg.use_gpu))
+    return engine, mcfg, device
 
+
+def resumed_step(engine) -> int:
+    """The step of Ray Train's latest checkpoint, loaded into `engine` (0 on a fresh run)."""
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is None:
+        return 0
+    with ckpt.as_directory() as d:
+        _, client = engine.load_checkpoint(str(Path(d) / "deepspeed"))
+    return int(client["step"])
+
+
+def worker_batches(config: dict[str, Any], cfg: TrainConfig, mcfg: ModelConfig, device: torch.device,
+                   start: int) -> Iterator[Batch]:
+    """This worker's micro-batches from step `start + 1` on: rows built on the fly, or its Parquet shard from the
+    pass a resumed run had reached (rows consumed per worker / rows in its shard)."""
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if config["sequences"] is not None:
+        rows = OnTheFlyRows(ray.get(config["sequences"]), cfg.layouts, block_size=mcfg.block_size,
+                            mask_token_id=mcfg.mask_token_id, seed=cfg.seed)
+        return on_the_fly_batches(cfg, mcfg, rows, rank, world, start + 1, device)
+    ds = cfg.deepspeed
+    per_worker = max(config["parquet_rows"] // world, 1)
+    return parquet_batches(cfg, mcfg, device, start * ds.grad_accum * ds.micro_batch_size // per_worker)
+
+
+def train_step(engine, batches: Iterator[Batch], cfg: TrainConfig, mcfg: ModelConfig, device: torch.device,
+               step: int) -> dict[str, float]:
+    """One optimiser step over grad_accum micro-batches; its metrics all-reduced over the workers."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+
+    def global_sum(x: torch.Tensor) -> torch.Tensor:  # the self-normalised SDAR loss's denominator
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    ds, slots = cfg.deepspeed, cfg.layouts.max_slots
+    t0 = time.perf_counter()
+    lr = float(engine.optimizer.param_groups[0]["lr"])
+    stats = torch.zeros(stats_size(slots), dtype=torch.float64, device=device)
+    extra = torch.zeros(4, dtype=torch.float64, device=device)  # loss, tokens, OPUT standard, OPUT self-denoise
+    for _ in range(ds.grad_accum):
+        batch = next(batches)
+        out = compute_objective(engine, batch, cfg.objective, mcfg.mask_token_id, global_sum, world)
+        engine.backward(out.loss)
+        engine.step()
+        stats += loss_stats(batch, out.ce, out.masked, slots)
+        extra += torch.tensor([float(out.loss.detach()), 2.0 * float(batch.total_len.sum()),
+                               out.parts.get("loss_standard", 0.0), out.parts.get("loss_self_denoise", 0.0)],
+                              dtype=torch.float64, device=device)
+    both = torch.cat([stats, extra])
+    dist.all_reduce(both)
+    seconds = time.perf_counter() - t0
+    stats, extra = both[: stats.numel()], both[stats.numel():].tolist()
+    micro_total = ds.grad_accum * world
+    metrics = {"step": step, "loss": extra[0] / micro_total, "lr": lr, "tokens": extra[1],
+               "tokens_per_s": extra[1] / seconds, "step_s": seconds, **stats_metrics(stats, slots)}
+    if cfg.objective.name == "dmax_oput":
+        metrics |= {"loss_standard": extra[2] / micro_total, "loss_self_denoise": extra[3] / micro_total}
+    return metrics
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """Ray Train's worker function: steps from the last checkpoint (or 0) to cfg.steps, checkpointing every
+    checkpoint_every steps; rank 0 sends each step's metrics to the progress actor."""
+    cfg = TrainConfig.model_validate(config["cfg"])
+    engine, mcfg, device = init_engine(cfg)
+    rank = ray.train.get_context().get_world_rank()
+    start = resumed_step(engine)
     progress = config["progress"]
     probe = collate(config["probe_rows"], block_size=mcfg.block_size, pad_token_id=mcfg.pad_token_id,
                     attention=cfg.attention, device=device)
@@ -209,47 +272,13 @@ def train_loop(config: dict[str, Any]) -> None:
         with torch.no_grad():
             return float(compute_objective(engine, probe, cfg.objective, mcfg.mask_token_id).loss)
 
-    if config["sequences"] is not None:
-        rows = OnTheFlyRows(ray.get(config["sequences"]), cfg.layouts, block_size=mcfg.block_size,
-                            mask_token_id=mcfg.mask_token_id, seed=cfg.seed)
-        batches = on_the_fly_batches(cfg, mcfg, rows, rank, world, start + 1, device)
-    else:  # the pass a resumed run had reached: rows consumed per worker / rows in its shard
-        per_worker = max(config["parquet_rows"] // world, 1)
-        batches = parquet_batches(cfg, mcfg, device, start * ds.grad_accum * ds.micro_batch_size // per_worker)
+    batches = worker_batches(config, cfg, mcfg, device, start)
     if start == 0:
         initial = probe_loss()
         if rank == 0:
             progress.log.remote({"step": 0, "probe_loss": initial})
-
-    slots = cfg.layouts.max_slots
-    def global_sum(x: torch.Tensor) -> torch.Tensor:  # the self-normalised SDAR loss's denominator
-        x = x.clone()
-        dist.all_reduce(x)
-        return x
-
     for step in range(start + 1, cfg.steps + 1):
-        t0 = time.perf_counter()
-        lr = float(engine.optimizer.param_groups[0]["lr"])
-        stats = torch.zeros(stats_size(slots), dtype=torch.float64, device=device)
-        extra = torch.zeros(4, dtype=torch.float64, device=device)  # loss, tokens, OPUT standard, OPUT self-denoise
-        for _ in range(ds.grad_accum):
-            batch = next(batches)
-            out = compute_objective(engine, batch, cfg.objective, mcfg.mask_token_id, global_sum, world)
-            engine.backward(out.loss)
-            engine.step()
-            stats += loss_stats(batch, out.ce, out.masked, slots)
-            extra += torch.tensor([float(out.loss.detach()), 2.0 * float(batch.total_len.sum()),
-                                   out.parts.get("loss_standard", 0.0), out.parts.get("loss_self_denoise", 0.0)],
-                                  dtype=torch.float64, device=device)
-        both = torch.cat([stats, extra])
-        dist.all_reduce(both)
-        seconds = time.perf_counter() - t0
-        stats, extra = both[: stats.numel()], both[stats.numel():].tolist()
-        micro_total = ds.grad_accum * world
-        metrics = {"step": step, "loss": extra[0] / micro_total, "lr": lr, "tokens": extra[1],
-                   "tokens_per_s": extra[1] / seconds, "step_s": seconds, **stats_metrics(stats, slots)}
-        if cfg.objective.name == "dmax_oput":
-            metrics |= {"loss_standard": extra[2] / micro_total, "loss_self_denoise": extra[3] / micro_total}
+        metrics = train_step(engine, batches, cfg, mcfg, device, step)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             metrics["probe_loss"] = probe_loss()
             save_training_checkpoint(engine, cfg, mcfg, step, rank, metrics)

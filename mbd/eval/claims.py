@@ -8,14 +8,14 @@ REPRODUCED, straddling it INCONCLUSIVE (the data cannot tell at this n); a claim
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, Field
 
 from mbd.eval.metrics import AupPoint, aup
 from mbd.eval.report import Method, active_counts, markdown_table
-from mbd.eval.stats import bootstrap, paired_difference
+from mbd.eval.stats import bootstrap, paired_difference, seed_interval, seed_paired_difference
 from mbd.eval.sweep import ResultStore
 
 
@@ -66,15 +66,18 @@ def load_curve(store: ResultStore, method: Method, benchmark: str, problem_ids: 
 
 
 def comparison_line(base: Curve, other: Curve) -> str:
-    """`other` vs `base` at their operating points: paired accuracy difference with its 95% CI and TPF ratio."""
+    """`other` vs `base` at their operating points: paired accuracy difference with its 95% CI (and the CI's
+    width, which says how small a difference this n can see) and the TPF ratio."""
     d = paired_difference(base.correct[0], other.correct[0])
-    return (f"{other.label} vs {base.label}: accuracy {d.text()}; TPF {base.tpf():.2f} -> {other.tpf():.2f} "
-            f"({other.tpf() / base.tpf():.2f}x)")
+    return (f"{other.label} vs {base.label}: accuracy {d.text()}, CI width {d.ci_high_pp - d.ci_low_pp:.2f} pp; "
+            f"TPF {base.tpf():.2f} -> {other.tpf():.2f} ({other.tpf() / base.tpf():.2f}x)")
 
 
 Verdict = Literal["REPRODUCED", "NOT REPRODUCED", "INCONCLUSIVE", "NOT RUN"]
 TPF_GAIN = 1.78  # tab:tps_comparison: MBD's TPF over SingleBD at equal accuracy
 ACC_MARGIN_PP = 1.0  # "equal accuracy": at most this far below SingleBD (non-inferiority margin)
+SEED_TEST = ("over seeds (each a fresh training run, all on the same problems): mean of the per-seed values, "
+             "95% CI mean +- t(0.975, df) sqrt(seed variance / S + problem SE^2), Welch-Satterthwaite df")
 
 
 class Claim(BaseModel):
@@ -110,52 +113,96 @@ def _not_run(cid: str, why: str) -> Claim:
     return Claim(id=cid, text=CLAIM_TEXT[cid], test="–", verdict="NOT RUN", evidence=why)
 
 
-def judge_main(single: Curve | None, free: Curve | None, mbd: Curve | None) -> list[Claim]:
-    """Claims (a)-(c) at the operating points, paired over the same problems."""
+class Gain(NamedTuple):
+    """Acc(runs) - Acc(ref) at the operating points: its 95% interval, the evidence and the test that gave it."""
+
+    low: float
+    high: float
+    text: str
+    test: str
+
+
+def accuracy_gain(ref: Curve, runs: Sequence[Curve]) -> Gain:
+    """One run: the paired Wald interval over the problems. Several training seeds of one recipe: the seed-level
+    interval (`stats.seed_paired_difference`), which a single lucky or unlucky run cannot push outside."""
+    if len(runs) == 1:
+        d = paired_difference(ref.correct[0], runs[0].correct[0])
+        return Gain(d.ci_low_pp, d.ci_high_pp, d.text(), "95% paired (Wald) CI over problems")
+    s = seed_paired_difference(ref.correct[0], [r.correct[0] for r in runs])
+    return Gain(s.ci_low, s.ci_high, s.text(" pp"), SEED_TEST)
+
+
+def judge_a(single: Curve, mbd: Sequence[Curve]) -> Claim:
+    """Claim (a): non-inferiority at the TPF gain (the TPF ratio averaged over seeds)."""
+    ratios = [m.tpf() / single.tpf() for m in mbd]
+    ratio = sum(ratios) / len(ratios)
+    g = accuracy_gain(single, mbd)
+    verdict = interval_verdict(g.low, g.high, -ACC_MARGIN_PP) if ratio >= TPF_GAIN else "NOT REPRODUCED"
+    tpf = ", ".join(f"{m.tpf():.2f}" for m in mbd)
+    return Claim(id="a", text=CLAIM_TEXT["a"], verdict=verdict,
+                 test=f"TPF ratio >= {TPF_GAIN} and non-inferiority, Acc(MBD) - Acc(SingleBD) above "
+                      f"-{ACC_MARGIN_PP:g} pp: {g.test}",
+                 evidence=f"n={single.n}; TPF {single.tpf():.2f} -> {tpf} ({ratio:.2f}x); Acc {g.text}")
+
+
+def judge_main(single: Curve | None, free: Curve | None, mbd: Sequence[Curve] | None) -> list[Claim]:
+    """Claims (a)-(c) at the operating points, paired over the same problems; `mbd`: one curve per training seed."""
     if not (single and free and mbd):
         return [_not_run(c, "no stored results") for c in "abc"]
-    out = []
-    d = paired_difference(single.correct[0], mbd.correct[0])
-    ratio = mbd.tpf() / single.tpf()
-    v = interval_verdict(d.ci_low_pp, d.ci_high_pp, -ACC_MARGIN_PP)
-    out.append(Claim(id="a", text=CLAIM_TEXT["a"], verdict=v if ratio >= TPF_GAIN else "NOT REPRODUCED",
-                     test=f"TPF ratio >= {TPF_GAIN} and non-inferiority: 95% paired (Wald) CI of Acc(MBD) - "
-                          f"Acc(SingleBD) above -{ACC_MARGIN_PP:g} pp",
-                     evidence=f"TPF {single.tpf():.2f} -> {mbd.tpf():.2f} ({ratio:.2f}x); Acc {d.text()}"))
+    out = [judge_a(single, mbd)]
     lost = paired_difference(free.correct[0], single.correct[0])  # SingleBD - training-free
     v = interval_verdict(lost.ci_low_pp, lost.ci_high_pp, 0.0)
     out.append(Claim(id="b", text=CLAIM_TEXT["b"], verdict=v if free.tpf() > single.tpf() else "NOT REPRODUCED",
                      test="TPF(MultiBD) > TPF(SingleBD) and the 95% paired CI of Acc(SingleBD) - Acc(MultiBD) "
                           "above 0 (exact McNemar p beside it)",
                      evidence=f"TPF {single.tpf():.2f} -> {free.tpf():.2f}; accuracy lost {lost.text()}"))
-    won = paired_difference(free.correct[0], mbd.correct[0])  # MBD - training-free
+    won = accuracy_gain(free, mbd)  # MBD - training-free
     half = 0.5 * lost.diff_pp
-    test = "95% paired CI of Acc(MBD) - Acc(MultiBD training-free) above half the point loss of (b)"
+    test = f"Acc(MBD) - Acc(MultiBD training-free) above half the point loss of (b): {won.test}"
     if lost.diff_pp <= 0:
         out.append(Claim(id="c", text=CLAIM_TEXT["c"], test=test, verdict="NOT REPRODUCED",
                          evidence=f"nothing to recover: training-free MultiBD lost {lost.diff_pp:+.2f} pp"))
     else:
-        out.append(Claim(id="c", text=CLAIM_TEXT["c"], test=test,
-                         verdict=interval_verdict(won.ci_low_pp, won.ci_high_pp, half),
-                         evidence=f"lost {lost.diff_pp:.2f} pp (half: {half:.2f}); MBD recovers {won.text()}"))
+        out.append(Claim(id="c", text=CLAIM_TEXT["c"], test=test, verdict=interval_verdict(won.low, won.high, half),
+                         evidence=f"lost {lost.diff_pp:.2f} pp (half: {half:.2f}); MBD recovers {won.text}"))
     return out
 
 
-def judge_aup(cid: str, curves: Sequence[Curve] | None, resamples: int = 2000, seed: int = 0) -> Claim:
-    """Claims (d)/(e): the first curve's AUP beats every other's; paired bootstrap over problems of each AUP
-    difference (every curve's points re-scored on the same resampled problems)."""
-    if not curves or len(curves) < 2 or any(c.correct.shape[0] < 2 for c in curves):
+def aup_gain(first: Sequence[Curve], other: Sequence[Curve], resamples: int, seed: int) -> tuple[Gain, float]:
+    """AUP(first) - AUP(other) with its interval, and the rival's mean AUP: one seed each, the paired bootstrap
+    over problems; several (paired by seed index), the seed-level interval with the bootstrap's SE of the
+    seed-averaged difference as the problems' share."""
+    rival = sum(o.aup() for o in other) / len(other)
+    if len(first) == 1:
+        b = bootstrap(lambda idx: first[0].aup(idx) - other[0].aup(idx), first[0].n, resamples, seed)
+        return Gain(b.ci_low, b.ci_high, b.text(), "95% paired-bootstrap CI over problems"), rival
+    if len(first) != len(other):
+        raise ValueError(f"AUP over seeds pairs runs by seed: {len(first)} vs {len(other)} seeds")
+    pairs = list(zip(first, other))
+    b = bootstrap(lambda idx: float(np.mean([f.aup(idx) - o.aup(idx) for f, o in pairs])), first[0].n,
+                  resamples, seed)
+    s = seed_interval([f.aup() - o.aup() for f, o in pairs], b.se, first[0].n)
+    return Gain(s.ci_low, s.ci_high, s.text(), SEED_TEST + " (problem SE: paired bootstrap)"), rival
+
+
+def judge_aup(cid: str, variants: Sequence[Sequence[Curve]] | None, resamples: int = 2000, seed: int = 0) -> Claim:
+    """Claims (d)/(e): the first variant's AUP beats every other's; `variants`: each one's curves, one per training
+    seed (the same seeds for every variant)."""
+    if not variants or len(variants) < 2 or not all(variants) or \
+            any(c.correct.shape[0] < 2 for v in variants for c in v):
         return _not_run(cid, "its variants (with >= 2 curve points each) were not run")
-    first, verdicts, parts = curves[0], [], []
-    for other in curves[1:]:
-        b = bootstrap(lambda idx: first.aup(idx) - other.aup(idx), first.n, resamples, seed)
-        verdicts.append(interval_verdict(b.ci_low, b.ci_high, 0.0))
-        lo, hi = other.tpf_range()
-        parts.append(f"vs {other.label} (AUP {other.aup():.2f}, TPF {lo:.2f}-{hi:.2f}): {b.text()}")
-    lo, hi = first.tpf_range()
+    first, verdicts, parts, test = variants[0], [], [], ""
+    for other in variants[1:]:
+        g, rival = aup_gain(first, other, resamples, seed)
+        verdicts.append(interval_verdict(g.low, g.high, 0.0))
+        lo, hi = other[0].tpf_range()
+        parts.append(f"vs {other[0].label} (AUP {rival:.2f}, TPF {lo:.2f}-{hi:.2f}): {g.text}")
+        test = g.test
+    lo, hi = first[0].tpf_range()
+    mean = sum(c.aup() for c in first) / len(first)
     return Claim(id=cid, text=CLAIM_TEXT[cid], verdict=_worst(verdicts),
-                 test="for each rival: 95% paired-bootstrap CI of AUP(first) - AUP(rival) above 0",
-                 evidence=f"{first.label} AUP {first.aup():.2f} over TPF {lo:.2f}-{hi:.2f}; " + "; ".join(parts))
+                 test=f"for each rival, AUP(first) - AUP(rival) above 0: {test}",
+                 evidence=f"{first[0].label} AUP {mean:.2f} over TPF {lo:.2f}-{hi:.2f}; " + "; ".join(parts))
 
 
 def active_block_stats(traces: Sequence[Sequence[dict]]) -> dict:

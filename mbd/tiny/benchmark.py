@@ -20,7 +20,7 @@ class TinyMath:
     name = "tinymath"
     kind: Kind = "math"
 
-    def __init__(self, size: int = 2000, seed: int = 0):
+    def __init__(self, size: int = 10000, seed: int = 0):
         """`size` held-out problems drawn with `seed`; `load(limit=k)` returns their first k."""
         self.size, self.seed = size, seed
 

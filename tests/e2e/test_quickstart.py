@@ -47,8 +47,13 @@ def test_table_has_the_four_methods_with_finite_numbers(run):
         assert f"| {t.median:.1f} ({t.low:.1f}-{t.high:.1f}) |" in s.table_markdown
     # SingleBD and training-free MultiBD decode the shipped base, MBD (and its SingleBD diagnostic) the export
     assert [r.model for r in s.rows] == ["base", "base", "mbd-tiny", "mbd-tiny"]
-    assert [c.split(" vs ")[0] for c in s.comparisons] == [MBD, MBD_AS_SINGLEBD]
-    assert all(f"vs {SINGLEBD}: accuracy" in c and "95% CI" in c and f"n={PROBLEMS}" in c for c in s.comparisons)
+    pairs, claim_a = s.comparisons[:2], s.comparisons[2:]
+    assert [c.split(" vs ")[0] for c in pairs] == [MBD, MBD_AS_SINGLEBD]
+    assert all(f"vs {SINGLEBD}: accuracy" in c and "95% CI" in c and f"n={PROBLEMS}" in c and "CI width" in c
+               for c in pairs)
+    # claim (a)'s verdict with the width of the interval behind it
+    assert len(claim_a) == 1 and claim_a[0].startswith(f"claim (a) on {PROBLEMS} held-out problems: ")
+    assert "95% CI width" in claim_a[0]
 
 
 def test_expansion_writes_lambda_rows_per_sequence(run):
@@ -99,30 +104,52 @@ def test_bad_config_values_name_the_field():
         load_config(DEFAULT_CONFIG, ["corpus.problems=1000000000"])
 
 
+def test_corpus_never_replays_the_bases_pretraining_records(tmp_path):
+    """`mbd pretrain-tiny --seed s` trains on the first N records of generate('train', N, s) (the shipped base: s = 0,
+    N = 80,000). The quickstart with the same seed once drew generate('train', 2000, s): the base's own first
+    pretraining records, word for word, which left MBD-tiny 3-6 pp below fresh draws. Now it draws other records:
+    the problems overlap by chance (the split has 97,406), the records (operand orders included) rarely."""
+    from mbd.tiny.task import generate
+    from pipelines.pretrain_tiny import DEFAULT_CONFIG as PRETRAIN, load_pretrain_config
+    from pipelines.stages import write_corpus
+
+    n = load_pretrain_config(PRETRAIN, [], None, None).corpus.problems
+    as_line = lambda r: {"prompt": r["question"], "response": r["solution"], "answer": r["answer"]}  # noqa: E731
+    for seed in (0, 1):
+        pretrained = {json.dumps(as_line(r)) for r in generate("train", n, seed)}
+        assert all(json.dumps(as_line(r)) in pretrained for r in generate("train", 200, seed))  # the old draw
+        lines = write_corpus(tmp_path / f"s{seed}.jsonl", 200, seed).read_text().splitlines()
+        assert lines == [json.dumps(as_line(r)) for r in generate("train", 200, 1000 + seed)]
+        assert sum(line in pretrained for line in lines) < 50  # by chance: about 13% (266 of 2,000 at seeds 1, 2)
+
+
 def test_reproduce_judges_from_stored_records_and_marks_missing_parts_not_run(tmp_path):
     from mbd.eval.benchmarks import get_benchmark
     from mbd.eval.sweep import ItemRecord, ResultStore
-    from pipelines.reproduce import judge_all, methods_for
+    from pipelines.reproduce import claim_methods, judge_all, methods_for, runs_of
 
-    cfg = load_config(DEFAULT_CONFIG, ["eval.problems=4"])
-    methods = methods_for(cfg, ["chain"])
-    store = ResultStore(tmp_path / "eval")
-    ids = [p.problem_id for p in get_benchmark("tinymath").load(limit=4)]
-    stored = set()
-    for label, key, path, model in methods:
-        for o in cfg.eval.overrides(path):
-            config = f"{key}" + "".join(f".{k}={v}" for k, v in o.items())
-            stored.add((model, config))
-            for i, pid in enumerate(ids):
-                store.append(ItemRecord(model=model, config=config, benchmark="tinymath", problem_id=pid,
-                                        completion="", correct=i < 3, nfe=4, num_generated=8, tpf=2.0,
-                                        wall_time_s=0.1, step_latency_ms=1.0, finish_reason="eos"))
-    claims = judge_all(cfg, tmp_path, methods, stored)
+    cfg = load_config(DEFAULT_CONFIG, ["eval.problems=4", "eval.claim_problems=6"])
+    runs = runs_of(cfg, ["chain"], 1)
+    methods = methods_for(cfg, runs)
+    stored, claim_stored = set(), set()
+    for where, n, kept, points in (("eval", 4, methods, None), ("claims", 6, claim_methods(methods, runs), 1)):
+        store = ResultStore(tmp_path / where)
+        ids = [p.problem_id for p in get_benchmark("tinymath").load(limit=n)]
+        for label, key, path, model in kept:
+            for o in cfg.eval.overrides(path)[:points]:
+                config = f"{key}" + "".join(f".{k}={v}" for k, v in o.items())
+                (stored if where == "eval" else claim_stored).add((model, config))
+                for i, pid in enumerate(ids):
+                    store.append(ItemRecord(model=model, config=config, benchmark="tinymath", problem_id=pid,
+                                            completion="", correct=i < 3, nfe=4, num_generated=8, tpf=2.0,
+                                            wall_time_s=0.1, step_latency_ms=1.0, finish_reason="eos"))
+    assert claim_stored == {("base", "singlebd"), ("base", "multibd-tf"), ("mbd-chain", "mbd-chain")}
+    claims = judge_all(cfg, tmp_path, runs, stored, claim_stored)
     assert [c.id for c in claims] == list("abcdef")
     verdicts = {c.id: c.verdict for c in claims}
     assert verdicts["a"] == "NOT REPRODUCED"  # every method has the same TPF: a 1.00x gain
     assert verdicts["b"] == "NOT REPRODUCED" and verdicts["c"] == "NOT REPRODUCED"  # no TPF gain, nothing lost
     assert (verdicts["d"], verdicts["e"], verdicts["f"]) == ("NOT RUN", "NOT RUN", "NOT RUN")
-    assert "1.00x" in claims[0].evidence
-    missing = stored - {("mbd-chain", "mbd-chain")}  # the MBD operating point
-    assert {c.id: c.verdict for c in judge_all(cfg, tmp_path, methods, missing)}["a"] == "NOT RUN"
+    assert "1.00x" in claims[0].evidence and "n=6" in claims[0].evidence  # (a) on the claim problems
+    missing = claim_stored - {("mbd-chain", "mbd-chain")}  # the MBD operating point on the claim problems
+    assert {c.id: c.verdict for c in judge_all(cfg, tmp_path, runs, stored, missing)}["a"] == "NOT RUN"

@@ -44,7 +44,8 @@ RUN_BY = {
     "python -m pytest -m slow": "the marker and the default suite's exclusion are checked here",
     "python -m benchmarks.gpu_acceptance --budget 600": "tests/unit/test_gpu_acceptance_quick.py (--device cpu --quick)",
     "mbd quickstart": "tests/e2e/test_quickstart.py (reduced: --steps 2 --problems 6 --corpus 24)",
-    "mbd reproduce": "here, slow (reduced: --parts core --steps 2 --problems 4 --corpus 16)",
+    "mbd reproduce": "here, slow (reduced: --parts core --steps 2 --problems 4 --claim-problems 8 --corpus 16 "
+                     "--seeds 2)",
     "mbd pretrain-tiny": "here, slow (reduced: --steps 2, 64 problems)",
     CORPUS: "here", GENERATE: "here", FORWARD: "here",
     EXPAND: "here, slow", TRAIN: "here, slow (2 steps)", SERVE: "here, slow (one request)",
@@ -211,9 +212,10 @@ def test_the_tour_runs_as_written(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_reproduce_and_pretrain_tiny_run_reduced(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert mbd(["reproduce", "--parts", "core", "--steps", "2", "--problems", "4", "--corpus", "16",
-                "--run-dir", str(tmp_path / "reproduce"), "--no-progress"]) == 0
-    assert (tmp_path / "reproduce" / "reproduce.md").is_file()
+    assert mbd(["reproduce", "--parts", "core", "--steps", "2", "--problems", "4", "--claim-problems", "8",
+                "--corpus", "16", "--seeds", "2", "--run-dir", str(tmp_path / "reproduce"), "--no-progress"]) == 0
+    report = (tmp_path / "reproduce" / "reproduce.md").read_text()
+    assert "over 2 seeds" in report and "n=8" in report  # claim (a) over both seeds, on the claim problems
     work = tmp_path / "pretrain"
     assert mbd(["pretrain-tiny", "--steps", "2", "--out", str(work / "out"), "--eval-problems", "2", "--no-progress",
                 "--set", "corpus.problems=64", "--set", f"train.run.storage_path={work}",

@@ -97,8 +97,8 @@ def test_fewshot_split_is_deterministic_disjoint_and_keeps_limit_scored_problems
 def test_fewshot_config_errors_name_the_field():
     with pytest.raises(ValidationError, match="fewshot"):
         BenchmarkEntry(name="tinymath", fewshot=-1)
-    with pytest.raises(ConfigError, match="tinymath has 2000 problems, too few for fewshot: 2000"):
-        BenchmarkEntry(name="tinymath", fewshot=2000).load(None)
+    with pytest.raises(ConfigError, match="tinymath has 10000 problems, too few for fewshot: 10000"):
+        BenchmarkEntry(name="tinymath", fewshot=10000).load(None)
 
 
 # ---------------------------------------------------------------------------------------------- shared prefix
