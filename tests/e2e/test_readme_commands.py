@@ -27,7 +27,7 @@ README = ROOT / "README.md"
 PROGRAMS = ("mbd", "python", "python3", "pip", "bash", "ray", "serve", "kubectl", "curl")
 
 CORPUS = "python -c \"from mbd.tiny.task import generate, write_jsonl; write_jsonl('runs/tiny/train.jsonl', " \
-         "generate('train', 2000, seed=0))\""
+         "generate('train', 2000, seed=1000))\""
 GENERATE = 'mbd generate --config configs/decode/tiny_multibd.yaml "3*4+2*7-5"'
 FORWARD = "mbd forward --model mbd/assets/tiny"
 EXPAND = "mbd expand --config configs/expand/tiny.yaml"
@@ -43,6 +43,7 @@ RUN_BY = {
     "pip install torch==2.13.0": "part of the set-up commands (.ci/run)",
     "python -m pytest -m slow": "the marker and the default suite's exclusion are checked here",
     "python -m benchmarks.gpu_acceptance --budget 600": "tests/unit/test_gpu_acceptance_quick.py (--device cpu --quick)",
+    "python -m benchmarks.tiny_parity": "by hand before a training-recipe change (20 minutes; docs/training.md)",
     "mbd quickstart": "tests/e2e/test_quickstart.py (reduced: --steps 2 --problems 6 --corpus 24)",
     "mbd reproduce": "here, slow (reduced: --parts core --steps 2 --problems 4 --claim-problems 8 --corpus 16 "
                      "--seeds 2)",
