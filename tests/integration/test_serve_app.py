@@ -389,9 +389,11 @@ def test_client_disconnect_frees_the_slot(base):
         with httpx.stream("POST", f"{base}/tp1/v1/completions", json=body, timeout=TIMEOUT) as r:
             next(line for line in r.iter_lines() if line.startswith("data: "))
     deadline = time.monotonic() + 60
-    while (s := _stats("tp1"))["in_engine"] and time.monotonic() < deadline:
+    # the disconnect reaches the replica asynchronously (proxy -> replica -> host): wait for the host's streams
+    # too, since the engine's in_engine is as of its last step and may not yet count the second request
+    while ((s := _stats("tp1"))["streams"] or s["in_engine"]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert s["aborted"] - before == 2 and s["in_engine"] == 0 and s["free_slots"] == SLOTS, s
+    assert s["aborted"] - before == 2 and s["streams"] == 0 and s["in_engine"] == 0 and s["free_slots"] == SLOTS, s
     r = _post(base, "tp1", "completions", {"model": MODEL, "prompt": "3+3=", "max_tokens": 4})
     assert r.status_code == 200
 
