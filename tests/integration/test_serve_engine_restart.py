@@ -18,6 +18,7 @@ import pytest
 
 from actors.tp_worker import free_port
 from serve_app.config import ServeConfig
+from tests.integration.stream_outcome import stream_outcome
 from tests.integration.test_serve_units import DECODE
 
 CLIENTS = 8
@@ -80,13 +81,7 @@ async def _request(http: httpx.AsyncClient, url: str, n: int) -> dict:
                             rec["first"] = time.monotonic()
                     elif line == "data: [DONE]":
                         events.append("[DONE]")
-                finish = {c["finish_reason"] for e in events[:-1] for c in e.get("choices", [])} - {None}
-                if events[-1:] != ["[DONE]"]:
-                    rec["outcome"] = "unclean: stream cut without [DONE]"
-                elif any("error" in e for e in events[:-1]):
-                    rec["outcome"] = "in-band" if finish == {"error"} else "unclean: error event without finish"
-                else:
-                    rec["outcome"] = "ok"
+                rec["outcome"] = stream_outcome(events)
     except httpx.HTTPError as e:
         rec["outcome"] = f"unclean: {type(e).__name__}"
     rec["end"] = time.monotonic()

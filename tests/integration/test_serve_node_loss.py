@@ -14,6 +14,7 @@ import httpx
 
 from actors.tp_worker import free_port
 from serve_app.config import ServeConfig
+from tests.integration.stream_outcome import stream_outcome
 from tests.integration.test_serve_units import DECODE
 
 FAST_DEATH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
@@ -54,14 +55,7 @@ async def _request(http: httpx.AsyncClient, url: str, n: int) -> dict:
                 rec["outcome"] = f"unclean: HTTP {r.status_code}"
             else:
                 events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
-                parsed = [json.loads(e) for e in events[:-1]]
-                if events[-1:] != ["[DONE]"]:
-                    rec["outcome"] = "unclean: stream cut without [DONE]"
-                elif any("error" in e for e in parsed):
-                    finished = {c["finish_reason"] for e in parsed for c in e.get("choices", [])} - {None}
-                    rec["outcome"] = "in-band" if "error" in finished else "unclean: error event without finish"
-                else:
-                    rec["outcome"] = "ok"
+                rec["outcome"] = stream_outcome([e if e == "[DONE]" else json.loads(e) for e in events])
     except httpx.HTTPError as e:
         rec["outcome"] = f"unclean: {type(e).__name__}"
     rec["end"] = time.monotonic()
