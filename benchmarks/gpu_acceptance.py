@@ -1,7 +1,7 @@
 """GPU acceptance in one command: every GPU path of the product against its reference or its floor, each row in
 a process of its own under its own time limit, the rows in order of value, within a total budget.
 
-    python -m benchmarks.gpu_acceptance --budget 600 --out runs/acceptance   # one GPU: fits a 15-minute lease
+    python -m benchmarks.gpu_acceptance --budget 480 --out runs/acceptance   # one GPU: fits a 15-minute lease
     python -m benchmarks.gpu_acceptance --device cpu --quick                  # the same code on CPU (the test suite)
     python -m benchmarks.gpu_acceptance --rows floor_sdar,compiled            # a subset, in the order given
 
