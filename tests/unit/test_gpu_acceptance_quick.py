@@ -35,7 +35,9 @@ def test_quick_acceptance_runs_every_row_in_its_own_process(tmp_path):
     moe = rows["floor_llada2"]["data"]
     assert moe["floor_bytes"] < moe["weight_bytes"]  # a step reads only the experts its tokens chose
     assert rows["warmup_first"]["data"]["shapes"] == rows["warmup_cached"]["data"]["shapes"] == 4
-    assert any((tmp_path / "compile-cache").iterdir())  # the first warm-up left its kernels for the second
+    from benchmarks.acceptance_rows import compile_cache
+
+    assert any(compile_cache(tmp_path).iterdir())  # the first warm-up left its kernels for the second
     train = rows["train_dense"]["data"]
     assert train["plan_error"] <= 0.05 and train["last_loss"] < train["first_loss"] and 0 < train["mfu"]
     tiny = rows["bf16"]["data"]["tinymath"]
