@@ -132,8 +132,6 @@ class ServeShape:
     prefill_chunk: int = 512
 
 
-
-
 def layer_activation(cfg: ModelConfig, tp: int, e: int, rows: int, width: int, span: int, attention: str) -> int:
     """Peak transient bytes inside one decoder layer for `rows` x `width` query tokens over `span` keys: hidden
     states, q/k/v, the gathered K/V of the span (sdpa; flex reads the pool in place), and either attention's

@@ -132,7 +132,6 @@ def load_config(path: str | Path, sets: Sequence[str] = ()) -> QuickstartConfig:
     return load_yaml(path, QuickstartConfig, sets=sets)
 
 
-
 # ---------------------------------------------------------------- stages
 
 class Stages:

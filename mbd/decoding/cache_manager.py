@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-
 from mbd.model.cache import SCRATCH, KVCache
 
 

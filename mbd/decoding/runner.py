@@ -200,9 +200,11 @@ class ModelRunner:
         lo = min(req.n_tc, S - A)
         pad = S - lo - A
 
-        def per_slot(name: str, fill: int, reported: bool = True) -> list[int] | None:
+        def per_slot(name: str, fill: int, applies: bool = True) -> list[int] | None:
+            """S counts: 0 before the window, the device's in it (none when A = 0), `fill` after it. None where
+            the field does not apply (T2T off) or the policy does not report it (only DMax reports `confident`)."""
             got = summary.row(req.row, name)
-            if got is None and not reported:
+            if not applies or (got is None and A):
                 return None
             return [0] * lo + (got or []) + [fill] * pad
 

@@ -71,7 +71,6 @@ class SandboxLimits:
     tmpfs_bytes: int = 256 << 20  # size of the private writable tmpfs (kernel isolation only)
 
 
-
 @dataclass(frozen=True)
 class ExecResult:
     """Outcome of a run.
@@ -96,7 +95,6 @@ class CallOutput:
     timed_out: bool = False  # the per-input time limit fired
     too_large: bool = False  # the value had more than `max_items` elements, so it was not sent
     matches_reference: bool | None = None  # for reference_indices: `value == reference(*input)` in the child
-
 
 
 def run_program(source: str, limits: SandboxLimits = SandboxLimits()) -> ExecResult:
