@@ -59,6 +59,11 @@ class EngineDead(RuntimeError):
     (then check_health fails and Serve replaces the replica)."""
 
 
+class RequestQuarantined(RuntimeError):
+    """The request was in the engine process at each of its last exits: it is not run again (it may be what kills
+    the engine: re-admitting it, or retrying it on another replica, would take that one down as well)."""
+
+
 class EngineRestarts(StrictModel):
     """How a replica restarts its engine process when it exits: the k-th exit within `window_s` is restarted after
     `delay(k)` (the first at once, then backoff_s, 2 x backoff_s, ...), at most `limit` times; one more exit in the
@@ -67,6 +72,9 @@ class EngineRestarts(StrictModel):
     limit: int = Field(default=3, ge=0, description="restarts within window_s; 0: an engine exit is fatal")
     window_s: float = Field(default=60.0, gt=0, description="exits older than this no longer count")
     backoff_s: float = Field(default=1.0, ge=0, description="back-off before the second restart in the window")
+    quarantine_after: int = Field(default=2, ge=1, description=(
+        "a request that no output had left yet and that was in the engine process at this many of its exits is "
+        "failed (HTTP 500, not retried) instead of re-admitted: one poisonous request cannot crash-loop replicas"))
 
     def delay(self, k: int) -> float:
         """Seconds to wait before the k-th restart in the window (k >= 1)."""
@@ -86,6 +94,7 @@ class _Stream:
     held: StepOutput | None = None  # merged outputs not yet handed over (per_block=False)
     sent: bool = False  # the current engine process has (or is being sent) its add
     produced: bool = False  # its handler got output: an engine exit fails it instead of re-running it
+    exits: int = 0  # engine process exits it was sent to and kept through (`EngineRestarts.quarantine_after`)
 
 
 def _hand_over(items: list[tuple[_Stream, "StepOutput | BaseException"]]) -> None:
@@ -144,6 +153,7 @@ class EngineHost:
         self.num_kept = 0  # requests without output yet when their engine process exited: kept for the next one
         self.num_readmitted = 0  # requests sent to a new engine process (kept ones and those that arrived meanwhile)
         self.num_lost = 0  # streams that had produced output when their engine process exited: failed
+        self.num_quarantined = 0  # requests failed as suspects (`EngineRestarts.quarantine_after`)
         self.trace = Trace("decoder")
         self._workers: list[tuple[object, ray.ObjectRef]] = []
         self._proc, self._conn, self._limits = self._launch()
@@ -231,17 +241,25 @@ class EngineHost:
             self.state = RESTARTING
             self._epoch += 1
             epoch = self._epoch
+            for s in self._streams.values():
+                s.exits += s.sent
             lost = [(s, EngineDead(f"the engine process exited mid-stream ({exit_status(code)})"))
                     for s in self._streams.values() if s.produced]
-            self._streams = {rid: s for rid, s in self._streams.items() if not s.produced}
+            limit = self.restarts.quarantine_after
+            suspects = [(s, RequestQuarantined(f"the engine process exited {s.exits} times while this request was "
+                                               f"in it (last: {exit_status(code)}); it is not run again"))
+                        for s in self._streams.values() if not s.produced and s.exits >= limit]
+            self._streams = {rid: s for rid, s in self._streams.items() if not s.produced and s.exits < limit}
             for s in self._streams.values():
                 s.sent, s.held = False, None
             kept = len(self._streams)
             self.num_kept += kept
             self.num_lost += len(lost)
-        _hand_over(lost)
+            self.num_quarantined += len(suspects)
+        _hand_over(lost + suspects)
         log.error("engine process %d exited (%s; %s): %d stream(s) that had produced output failed, %d request(s) "
-                  "kept for a new engine process", proc.pid, exit_status(code), why, len(lost), kept)
+                  "quarantined (in it at %d exits), %d request(s) kept for a new engine process", proc.pid,
+                  exit_status(code), why, len(lost), len(suspects), limit, kept)
         self._restart(why, epoch)
 
     def _restart(self, why: str, epoch: int) -> None:
@@ -378,7 +396,8 @@ class EngineHost:
         they re-admitted and the streams they failed, and the engine's stats (asked of the engine process, as of
         its last step; absent while it restarts)."""
         base = {"streams": len(self._streams), "aborted": self.num_aborted, "engine_restarts": self.num_restarts,
-                "kept": self.num_kept, "readmitted": self.num_readmitted, "lost_mid_stream": self.num_lost}
+                "kept": self.num_kept, "readmitted": self.num_readmitted, "lost_mid_stream": self.num_lost,
+                "quarantined": self.num_quarantined}
         with self._stats_lock:
             while not self._asks.empty():  # answers meant for an earlier question (or a dead engine's)
                 self._asks.get_nowait()

@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         serve.shutdown()
         ray.shutdown()
     out = summarize(records, health, killed) | {"kill": args.kill, "wall_s": round(wall, 1), "load": os.getloadavg()[0]}
-    out["replica"] = {k: stats.get(k) for k in ("engine_restarts", "kept", "readmitted", "lost_mid_stream")}
+    out["replica"] = {k: stats.get(k)
+                      for k in ("engine_restarts", "kept", "readmitted", "lost_mid_stream", "quarantined")}
     print(f"{args.clients} clients x {args.requests} streaming requests (max_tokens {args.max_tokens}), kill "
           f"{args.kill} at {args.kill_at:.0f} s: {out['outcomes']}; 503 span {out['span_503_s']} s "
           f"({out['503_without_retry_after']} without Retry-After); in flight at the kill "

@@ -39,6 +39,11 @@ def unavailable(message: str, retry_after_s: float) -> APIError:
     return APIError(503, message, None, "server_error", headers={"Retry-After": str(math.ceil(retry_after_s))})
 
 
+def internal(message: str) -> APIError:
+    """A failure the client should not retry as it is (no Retry-After)."""
+    return APIError(500, message, None, "server_error")
+
+
 class BodyLimit:
     """ASGI middleware: a request body over `limit` bytes is answered 413 before it is parsed (by its
     Content-Length, or while a chunked body is read)."""

@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from actors.engine_host import EngineDead
+from actors.engine_host import EngineDead, RequestQuarantined
 from actors.trace import Trace
 from mbd.config import DecodeConfig, ModelConfig, read_json
 from mbd.decoding.constraints import ConstraintSpec
@@ -33,7 +33,7 @@ from serve_app import sse
 from serve_app.choices import Choice, Piece, mbd_stats, merge, usage
 from serve_app.config import ServeConfig
 from serve_app.convert import RequestConverter, bad_request
-from serve_app.errors import overloaded, unavailable
+from serve_app.errors import internal, overloaded, unavailable
 from serve_app.metrics import IngressMetrics
 from serve_app.protocol import (MASK_GLYPH, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                 ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, CompletionChoice,
@@ -237,6 +237,8 @@ class OpenAIIngress:
                     f[0].cancel()
             if isinstance(_root(failed), RequestError):  # the engine's check: a constraint it cannot honour
                 raise bad_request(_root(failed)) from failed
+            if isinstance(_root(failed), RequestQuarantined):  # not retried: it may be what kills engines
+                raise internal(str(_root(failed))) from failed
             retry = self.cfg.decoder.retry_after_s
             if isinstance(failed, BackPressureError):
                 raise overloaded(failed.retry_after_s if failed.retry_after_s is not None else retry) from failed

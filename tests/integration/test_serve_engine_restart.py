@@ -3,13 +3,15 @@ and its engine process is SIGKILLed mid-load. Counted: only streams that had pro
 (finish_reason "error", an error event, [DONE]), as many as the replica says it failed; every other request
 succeeds (none gets a 503); the same replica restarts its engine once and serves every request started after the
 kill, within a generous bound; /health says "restarting" meanwhile and answers 200 throughout; and no engine
-process outlives its replica. The crash-loop case (restarts that fail until the replica gives up) is
+process outlives its replica. A request in the engine at two of its exits gets a 500 (not a retry). The
+crash-loop case (restarts that fail until the replica gives up) is
 tests/integration/test_serve_units.py::test_a_crash_loop_stops_and_fails_the_health_check."""
 
 import asyncio
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -120,9 +122,39 @@ async def _scenario(base: str, replica_pid: int) -> tuple[list, list, float, flo
     return records, health, killed, recovered
 
 
+def test_a_request_in_the_engine_at_two_exits_gets_a_500_not_a_retry(base):
+    """A non-streaming request that is in the engine process each time it is SIGKILLed: re-admitted after the
+    first exit, then quarantined (`decoder.engine_restarts.quarantine_after` = 2): HTTP 500 without Retry-After,
+    naming why, and not retried by the ingress (it could take the next engine down too); the replica serves the
+    next request."""
+    replica = _stats()["pid"]
+    before = _stats()["quarantined"]
+    body = {"model": "mbd-test", "prompt": "1+1=", "max_tokens": 900, "tau_m2t": 1.0, "buffer_size": 1}
+    reply: dict = {}
+    post = threading.Thread(target=lambda: reply.update(r=httpx.post(f"{base}/v1/completions", json=body,
+                                                                     timeout=120)))
+    post.start()
+    engine = None
+    for _ in range(2):  # kill each engine process once the request decodes in it
+        deadline = time.monotonic() + RECOVERY_BOUND_S
+        while engine is not None and engine.is_running() or _stats().get("in_engine") != 1:
+            assert time.monotonic() < deadline, "the request did not reach a new engine process"
+            time.sleep(0.02)
+        engine = _engine(replica)
+        os.kill(engine.pid, signal.SIGKILL)
+    post.join(120)
+    r = reply["r"]
+    assert r.status_code == 500 and "retry-after" not in r.headers, (r.status_code, r.text)
+    assert "exited 2 times while this request was in it" in r.json()["error"]["message"]
+    assert _stats()["quarantined"] - before == 1
+    ok = httpx.post(f"{base}/v1/completions", json={**body, "max_tokens": 8}, timeout=RECOVERY_BOUND_S)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+
+
 def test_a_killed_engine_process_fails_only_its_streaming_requests(base):
     replica = _stats()["pid"]
     old_engine = _engine(replica)
+    restarts = _stats()["engine_restarts"]
     records, health, killed, recovered = asyncio.run(_scenario(base, replica))
     stats = _stats()
     failed = [r for r in records if r["outcome"] != "ok"]
@@ -135,7 +167,7 @@ def test_a_killed_engine_process_fails_only_its_streaming_requests(base):
     assert len(failed) == stats["lost_mid_stream"] <= len(in_flight)
     assert sum(r["outcome"] == "ok" for r in records) == len(records) - len(failed)
     # the same replica restarted its engine process once; /health said so meanwhile, with 200 throughout
-    assert stats["pid"] == replica and stats["engine_restarts"] == 1 and stats["kept"] >= 0
+    assert stats["pid"] == replica and stats["engine_restarts"] - restarts == 1 and stats["kept"] >= 0
     assert {code for _, code, _ in health} == {200}
     assert "restarting" in {s for t, _, s in health if t > killed} and health[-1][2] == "ok"
     assert not old_engine.is_running()
