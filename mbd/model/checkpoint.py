@@ -204,7 +204,8 @@ def save_checkpoint(model: nn.Module, cfg: ModelConfig, path: str | Path, shard_
 
 
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
-    """Copy a model directory's tokenizer files (those present) next to weights written elsewhere."""
+    """Copy a model directory's tokenizer files, generation config and chat template (those present) next to
+    weights written elsewhere: the exported checkpoint stops and prompts as its source did."""
     import shutil
 
     for name in TOKENIZER_FILES:
