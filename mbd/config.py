@@ -8,7 +8,8 @@ and the allowed range, instead of deep inside a forward pass. One way to do each
 - `parse_dtype` is the one dtype spelling (float32/bfloat16/float16, fp32/bf16/fp16 accepted as aliases);
 - `EngineConfig` holds every engine knob (the `engine:` section of decode, eval and serve YAMLs), `load_decode`
   reads a decode YAML into its DecodeConfig and EngineConfig.
-Model configs come from a checkpoint's own `config.json` (`ModelConfig.from_hf`).
+Model configs come from a checkpoint's own `config.json` (`ModelConfig.from_hf`, every key checked by
+`mbd.hf_keys`), with the EOS ids its generation and tokenizer configs state (`mbd.checkpoint_files`).
 """
 
 from __future__ import annotations

@@ -121,11 +121,25 @@ REFUSED = [
 ]
 
 
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """One tiny checkpoint per family in the published layout, shared by the refusal cases."""
+    root = tmp_path_factory.mktemp("published")
+    return {fam: tiny_published(name, root / name)[0]
+            for fam, name in (("llada2_moe", "LLaDA2.0-mini"), ("sdar", "SDAR-8B-Chat"))}
+
+
 @pytest.mark.parametrize("family,key,value", REFUSED)
-def test_settings_that_change_the_computation_are_refused_by_name(family, key, value):
-    hf = published("LLaDA2.0-mini" if family == "llada2_moe" else "SDAR-8B-Chat")
-    with pytest.raises(ConfigError, match=f"{key}={value!r}".replace("[", r"\[").replace("(", r"\(")):
-        ModelConfig.from_hf(changed(hf, **{key: value}))
+def test_settings_that_change_the_computation_are_refused_by_name(family, key, value, tiny_dirs, tmp_path):
+    """The tiny checkpoint with one setting changed: the load fails naming the key and its value."""
+    src = tiny_dirs[family]
+    for f in src.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(json.loads((src / "config.json").read_text()) | {key: value}))
+    with pytest.raises(CheckpointError, match=f"{key}={value!r}".replace("[", r"\[").replace("(", r"\(")):
+        load_checkpoint(tmp_path)
+    load_checkpoint(src)  # unchanged, it loads
 
 
 def test_absent_use_bias_takes_the_reference_default_and_is_refused():
