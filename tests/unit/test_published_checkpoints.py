@@ -192,6 +192,21 @@ def test_router_dtype_fp32_keeps_the_expert_bias_in_float32(tmp_path):
     assert gate.weight.dtype == torch.float16
 
 
+def test_a_near_tie_is_routed_by_the_fp32_bias(tmp_path):
+    """Equal scores (a zero router), biases 1, 1, 1 + 2^-11, 1 + 2^-10 on experts 0-3: in float32 experts 3 and 2
+    win; rounded to bfloat16 all four would tie at 1.0."""
+    d, _ = tiny_published("LLaDA2.0-mini", tmp_path / "a")
+    sd = load_file(d / "model.safetensors")
+    gate = "model.layers.1.mlp.gate"
+    bias = torch.tensor([1.0, 1.0, 1 + 2 ** -11, 1 + 2 ** -10, 0, 0, 0, 0])
+    assert torch.equal(bias.bfloat16()[:4].float(), torch.ones(4))
+    sd |= {f"{gate}.expert_bias": bias, f"{gate}.weight": torch.zeros_like(sd[f"{gate}.weight"])}
+    save_file(sd, str(d / "model.safetensors"))
+    loaded, _ = load_checkpoint(d, dtype=torch.bfloat16)
+    idx, _ = loaded.model.layers[1].mlp.gate(torch.randn(5, 16).bfloat16())
+    assert sorted(map(sorted, idx.tolist())) == [[2, 3]] * 5
+
+
 def eos_dir(tmp_path, **files) -> Path:
     """A LLaDA2.0-mini config.json with the other files given (name -> JSON)."""
     d = tmp_path / "eos"
