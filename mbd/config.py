@@ -135,8 +135,10 @@ class ModelConfig(StrictModel):
         d = {k: v for k, v in hf.items() if k in READ[family] and v is not None}
         d.update(family=family, attention_bias=bool(d.pop("use_qkv_bias", d.get("attention_bias", False))))
         d.pop("architectures", None), d.pop("model_type", None)
-        d.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
-        d.setdefault("num_key_value_heads", hf["num_attention_heads"])
+        heads = d.get("num_attention_heads")
+        if isinstance(heads, int) and heads > 0 and isinstance(d.get("hidden_size"), int):
+            d.setdefault("head_dim", d["hidden_size"] // heads)
+            d.setdefault("num_key_value_heads", heads)
         eos = d.get("eos_token_id", FAMILY_EOS.get(family))
         if eos is None:
             raise ConfigError("no eos_token_id: generation_config.json, config.json and tokenizer_config.json "

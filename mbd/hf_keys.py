@@ -96,7 +96,7 @@ def _derived_ok(hf: dict[str, Any], family: str, key: str, value: Any) -> bool:
     if family != "llada2_moe":
         return False
     if key == "rotary_dim":
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf.get("hidden_size", 0) // max(hf.get("num_attention_heads", 1), 1)
         return value == int(head_dim * hf.get("partial_rotary_factor", 1.0))
     if key == "moe_shared_expert_intermediate_size":  # the shared experts are moe_intermediate_size wide each
         return value is None or value == hf.get("moe_intermediate_size")
