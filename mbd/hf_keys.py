@@ -32,6 +32,10 @@ IGNORED = frozenset({
     "auto_map", "torch_dtype", "dtype", "transformers_version", "use_cache", "initializer_range", "bos_token_id",
     "output_router_logits", "max_window_layers", "sliding_window", "return_dict", "output_hidden_states",
     "output_attentions", "torchscript", "use_bfloat16", "tokenizer_class",
+    # training-launcher flags some SDAR configs carry (loss kernel, DeepSpeed, checkpointing): not the model
+    "fuse_cross_entropy", "use_deepspeed", "micro_forward", "skip_checkpoint", "debug",
+    # the multi-token-prediction loss weight: no MTP layers are built (num_nextn_predict_layers is pinned to 0)
+    "mtp_loss_scaling_factor",
 })
 PINNED: dict[str, dict[str, Any]] = {
     "sdar": {"hidden_act": "silu", "rope_scaling": None, "use_sliding_window": False, "attention_dropout": 0.0},
