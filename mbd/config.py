@@ -8,7 +8,8 @@ and the allowed range, instead of deep inside a forward pass. One way to do each
 - `parse_dtype` is the one dtype spelling (float32/bfloat16/float16, fp32/bf16/fp16 accepted as aliases);
 - `EngineConfig` holds every engine knob (the `engine:` section of decode, eval and serve YAMLs), `load_decode`
   reads a decode YAML into its DecodeConfig and EngineConfig.
-Model configs come from a checkpoint's own `config.json` (`ModelConfig.from_hf`).
+Model configs come from a checkpoint's own `config.json` (`ModelConfig.from_hf`, every key checked by
+`mbd.hf_keys`), with the EOS ids its generation and tokenizer configs state (`mbd.checkpoint_files`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", 
                "float16": "float16", "fp16": "float16"}
 
 ARCHITECTURES = {"SDARForCausalLM": "sdar", "LLaDA2MoeModelLM": "llada2_moe"}
+# documented family defaults (docs/models.md) for what a published config.json may leave out
+FAMILY_MASK = {"sdar": 151669, "llada2_moe": 156895}
+FAMILY_EOS = {"llada2_moe": 156892}
+FAMILY_BLOCK = {"llada2_moe": 32}
 
 
 class ConfigError(ValueError):
@@ -38,9 +43,11 @@ class StrictModel(BaseModel):
 
 
 class ModelConfig(StrictModel):
-    """Hyperparameters of a BD-LM backbone, read from / written to HuggingFace `config.json`."""
+    """Hyperparameters of a BD-LM backbone, read from / written to HuggingFace `config.json`.
 
-    model_config = ConfigDict(extra="ignore")
+    `eos_token_ids` are every end-of-sequence id the checkpoint states (a list-valued `eos_token_id` kept whole);
+    `eos_token_id` is the first of them, the one training appends. `block_size_stated` is False when config.json
+    names no block size and the family's documented decoding block stands in (training refuses that)."""
 
     family: Literal["sdar", "llada2_moe"]
     vocab_size: int = Field(gt=0)
@@ -58,8 +65,10 @@ class ModelConfig(StrictModel):
     attention_bias: bool = False
     mask_token_id: int = Field(ge=0)
     eos_token_id: int = Field(ge=0)
+    eos_token_ids: list[int] = Field(default_factory=list)
     pad_token_id: int = Field(default=0, ge=0)
     block_size: int = Field(default=4, gt=0)
+    block_size_stated: bool = True
     # llada2_moe only
     moe_intermediate_size: int = Field(default=0, ge=0)
     num_experts: int = Field(default=0, ge=0)
@@ -80,6 +89,10 @@ class ModelConfig(StrictModel):
             )
         if self.mask_token_id >= self.vocab_size:
             raise ValueError(f"mask_token_id={self.mask_token_id} must be < vocab_size={self.vocab_size}")
+        if not self.eos_token_ids:
+            self.eos_token_ids = [self.eos_token_id]
+        if self.eos_token_ids[0] != self.eos_token_id or min(self.eos_token_ids) < 0:
+            raise ValueError(f"eos_token_ids={self.eos_token_ids} must start with eos_token_id={self.eos_token_id}")
         if self.family == "llada2_moe" and self.num_experts:
             if self.num_experts_per_tok > self.num_experts:
                 raise ValueError("num_experts_per_tok must be <= num_experts")
@@ -94,53 +107,75 @@ class ModelConfig(StrictModel):
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def training_block_size(self) -> int:
+        """The block size training uses: the one config.json states (a model is trained for one block size)."""
+        if not self.block_size_stated:
+            raise ConfigError(f"config.json states no block_size: {self.family} decodes with its documented "
+                              f"block {self.block_size}, but training needs the block size the checkpoint was "
+                              "trained with; add \"block_size\" to config.json")
+        return self.block_size
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a HuggingFace config dict; the family comes from `architectures`."""
+        """Build from a HuggingFace config dict (every key checked by `mbd.hf_keys`); the family comes from
+        `architectures`; the mask id, EOS and block size of a LLaDA2 config default to the family's documented
+        ones (docs/models.md)."""
+        from mbd.hf_keys import READ, check_keys, lift_rope
+
         archs = hf.get("architectures") or []
         family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if family is None:
             raise ConfigError(
                 f"unknown architecture {archs!r} in config.json: supported are {sorted(ARCHITECTURES)}"
             )
-        d = dict(hf)
-        d["family"] = family
-        d.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
-        d.setdefault("num_key_value_heads", hf["num_attention_heads"])
-        eos = d.get("eos_token_id")
-        if isinstance(eos, list):
-            d["eos_token_id"] = eos[0]
-        if d.get("pad_token_id") is None:
-            d["pad_token_id"] = d["eos_token_id"]
-        if family == "llada2_moe":
-            d.setdefault("mask_token_id", 156895)
-            d.setdefault("block_size", 32)
-            d["attention_bias"] = bool(hf.get("use_qkv_bias", False))
-            expert_dim = hf.get("moe_intermediate_size")
-            if expert_dim is not None:
-                d["moe_intermediate_size"] = expert_dim
-        else:
-            d.setdefault("mask_token_id", 151669)
+        if hf.get("model_type", family) != family:
+            raise ConfigError(f"config.json model_type={hf['model_type']!r} does not match {archs!r} ({family})")
+        hf = lift_rope(hf)
+        check_keys(hf, family)
+        d = {k: v for k, v in hf.items() if k in READ[family] and v is not None}
+        d.update(family=family, attention_bias=bool(d.pop("use_qkv_bias", d.get("attention_bias", False))))
+        d.pop("architectures", None), d.pop("model_type", None)
+        heads = d.get("num_attention_heads")
+        if isinstance(heads, int) and heads > 0 and isinstance(d.get("hidden_size"), int):
+            d.setdefault("head_dim", d["hidden_size"] // heads)
+            d.setdefault("num_key_value_heads", heads)
+        eos = d.get("eos_token_id", FAMILY_EOS.get(family))
+        if eos is None:
+            raise ConfigError("no eos_token_id: generation_config.json, config.json and tokenizer_config.json "
+                              f"state none and {family} has no documented default")
+        d["eos_token_ids"] = list(eos) if isinstance(eos, list) else [eos]
+        d["eos_token_id"] = d["eos_token_ids"][0] if d["eos_token_ids"] else None
+        d.setdefault("pad_token_id", d["eos_token_id"])
+        d.setdefault("mask_token_id", FAMILY_MASK[family])
+        if "block_size" not in d:
+            if family not in FAMILY_BLOCK:
+                raise ConfigError(f"config.json states no block_size: {family} checkpoints are trained for one "
+                                  "block size (4, 32, ...), which config.json must name")
+            d.update(block_size=FAMILY_BLOCK[family], block_size_stated=False)
         try:
             return cls.model_validate(d)
         except ValidationError as e:
             raise ConfigError(f"invalid model config.json: {fmt_validation_error(e)}") from e
 
     def to_hf(self) -> dict[str, Any]:
+        """config.json for this model, stating every setting the reference config classes would otherwise
+        default differently (LLaDA2MoeConfig's use_bias=True, ...), so that another engine builds the same model."""
+        from mbd.hf_keys import pinned_settings
+
         arch = {v: k for k, v in ARCHITECTURES.items()}[self.family]
-        d = self.model_dump(exclude={"family"})
+        d = self.model_dump(exclude={"family", "eos_token_ids", "block_size_stated"})
+        if len(self.eos_token_ids) > 1:
+            d["eos_token_id"] = list(self.eos_token_ids)
         d["architectures"] = [arch]
         d["model_type"] = self.family
         if self.family == "sdar":
             for k in ("moe_intermediate_size", "num_experts", "num_shared_experts", "num_experts_per_tok",
-                      "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
-                      "norm_topk_prob", "partial_rotary_factor"):
+                      "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace", "norm_topk_prob"):
                 d.pop(k)
         else:
             d["use_qkv_bias"] = d.pop("attention_bias")
-            d["score_function"] = "sigmoid"
-            d["moe_router_enable_expert_bias"] = True
-        return d
+            d.update(rotary_dim=self.rotary_dim, moe_shared_expert_intermediate_size=self.moe_intermediate_size)
+        return d | pinned_settings(self.family)
 
 
 class DecodeConfig(StrictModel):

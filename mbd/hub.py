@@ -1,9 +1,10 @@
 """Model references: a local checkpoint directory, or a Hugging Face Hub id `ORG/NAME[@REVISION]`.
 
 A Hub id is fetched through `huggingface_hub` into its cache (HF_HOME / HF_HUB_CACHE; HF_HUB_OFFLINE=1 reads
-the cache only), and only the files this project loads: config.json, safetensors weights (and their index),
-tokenizer files. Never a `*.py` file: checkpoints that ship modeling code (`trust_remote_code` in
-transformers) are read by this project's own model code, so nothing from the Hub runs. `@REVISION` pins a
+the cache only), and only the files this project loads: config.json, generation_config.json, safetensors weights
+(and their index), the tokenizer files and the chat template (`chat_template.jinja`, rendered in a Jinja sandbox by
+`mbd.chat_template`). Never a `*.py` file: checkpoints that ship modeling code (`trust_remote_code` in
+transformers) are read by this project's own model code, so no code from the Hub runs. `@REVISION` pins a
 branch, tag or commit, as `revision=` does in transformers.
 """
 
@@ -15,9 +16,10 @@ from pathlib import Path
 
 from mbd.config import ConfigError, resolve_path
 
-# the files a checkpoint directory needs here (mbd.model.checkpoint, mbd.tokenizer); code is never fetched
+# the files a checkpoint directory needs here (mbd.checkpoint_files, mbd.model.checkpoint, mbd.tokenizer); code
+# is never fetched
 ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
-                  "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+                  "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})(?:@(?P<rev>[\w./-]{1,200}))?$")
 
 

@@ -252,7 +252,7 @@ def run_expand(cfg: ExpandConfig) -> ExpandSummary:
     # directory of their own): the path as given, else under the repository root, else a Hub id's snapshot
     model_dir = str(resolve_model(cfg.model_dir).resolve())
     _, model_cfg = load_tokenizer(model_dir)
-    block_size = cfg.block_size or model_cfg.block_size
+    block_size = cfg.block_size or model_cfg.training_block_size()
     start = time.perf_counter()
     # Re-block by record count: one large JSONL file would otherwise be tokenized and expanded by one task.
     tokenized = read_records(cfg.inputs).repartition(target_num_rows_per_block=cfg.sequences_per_task).map_batches(

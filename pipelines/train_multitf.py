@@ -49,7 +49,8 @@ from ray.data.collate_fn import NumpyBatchCollateFn
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from mbd import storage
-from mbd.config import ConfigError, ModelConfig, load_yaml, read_json
+from mbd.checkpoint_files import read_model_config
+from mbd.config import ConfigError, ModelConfig, load_yaml
 from mbd.hub import resolve_model
 from mbd.multitf.batching import Batch, OnTheFlyRows, StepSampler, collate, rows_to_columns
 from mbd.multitf.objectives import compute_objective, loss_stats, stats_metrics, stats_size
@@ -397,7 +398,8 @@ def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
     cfg = absolute_paths(cfg)
     if not (Path(cfg.model_path) / "config.json").is_file():
         raise ConfigError(f"model_path: {cfg.model_path} has no config.json (an HF-format model directory)")
-    mcfg = ModelConfig.from_hf(read_json(Path(cfg.model_path) / "config.json"))
+    mcfg = read_model_config(cfg.model_path)
+    mcfg.training_block_size()  # a config.json that names no block size is refused here, by name
     if not ray.is_initialized():
         init_ray()
     start = time.perf_counter()

@@ -23,7 +23,8 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from actors.engine_host import EngineDead, RequestQuarantined
 from actors.trace import Trace
-from mbd.config import DecodeConfig, ModelConfig, read_json
+from mbd.checkpoint_files import read_model_config
+from mbd.config import DecodeConfig
 from mbd.decoding.constraints import ConstraintSpec
 from mbd.decoding.outputs import StepOutput
 from mbd.decoding.validate import EngineLimits, RequestError
@@ -78,7 +79,7 @@ class OpenAIIngress:
         self._decoder = decoder
         self.cfg = cfg
         path = cfg.model.resolved_path()
-        self.tok = Tokenizer.from_dir(path, ModelConfig.from_hf(read_json(path / "config.json")))
+        self.tok = Tokenizer.from_dir(path, read_model_config(path))
         self.convert = RequestConverter(cfg, self.tok)
         self.name = cfg.model.name
         self.metrics = IngressMetrics()

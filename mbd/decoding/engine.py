@@ -71,7 +71,7 @@ class Engine:
         self.n_buf = decode.buffer_size
         self.max_length = min(decode.max_length, mcfg.max_position_embeddings)
         self.mask_id = mcfg.mask_token_id
-        stops = tokenizer.stop_token_ids if tokenizer is not None else [mcfg.eos_token_id]
+        stops = tokenizer.stop_token_ids if tokenizer is not None else mcfg.eos_token_ids
         self._stop_set = frozenset(stops)
         self.policy = policy_for(decode.strategy)(self.block, self.mask_id)
         self.buf = BatchBuffers(engine.max_batch_rows, self.n_buf, self.block, self.mask_id, self.device)

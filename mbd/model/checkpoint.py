@@ -1,19 +1,24 @@
 """HuggingFace-format checkpoints: config.json + *.safetensors (optionally sharded with an index).
 
 safetensors only: pickled weights (`*.bin`, `*.pt`) are refused, and no code from the checkpoint directory
-is ever imported. Under tensor parallelism each rank reads the full tensors and keeps its own shard.
+is ever imported. Every tensor of the directory is consumed, or the load fails naming it (a bias or norm the
+config does not describe would otherwise be dropped without a word). Under tensor parallelism each rank reads the
+full tensors and keeps its own shard. Buffers (LLaDA2's expert bias, router_dtype fp32) stay in float32 whatever
+`dtype` the weights take.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from mbd.checkpoint_files import TEMPLATE_FILE, read_model_config
 from mbd.config import ConfigError, ModelConfig, read_json
 from mbd.model.llada2_moe import LLaDA2MoeModelLM
 from mbd.model.sdar import SDARForCausalLM
@@ -22,11 +27,29 @@ from mbd.model.tp import SINGLE, TPGroup
 FAMILIES = {"sdar": SDARForCausalLM, "llada2_moe": LLaDA2MoeModelLM}
 ALIASES = {"e_score_correction_bias": "expert_bias"}
 INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", TEMPLATE_FILE)
 
 
 class CheckpointError(ValueError):
     """A checkpoint directory cannot be loaded; the message says which file/tensor and why."""
+
+
+@runtime_checkable
+class PackedTensors(Protocol):
+    """A module whose parameter packs several checkpoint tensors (stacked experts, fused projections)."""
+
+    def checkpoint_parts(self, name: str) -> list[str]: ...
+
+    def join(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor: ...
+
+    def split(self, name: str, full: torch.Tensor) -> list[torch.Tensor]: ...
+
+
+@runtime_checkable
+class Sharded(Protocol):
+    """A tensor-parallel module that cuts the full tensor of its parameter `name` to this rank's part."""
+
+    def shard_(self, name: str, full: torch.Tensor) -> torch.Tensor: ...
 
 
 def build_model(cfg: ModelConfig, tp: TPGroup = SINGLE, seed: int | None = 0) -> nn.Module:
@@ -67,22 +90,34 @@ def _canonical(name: str) -> str:
     return f"{head}.{ALIASES.get(leaf, leaf)}" if leaf in ALIASES else name
 
 
+def _canonical_files(d: Path) -> dict[str, tuple[str, Path]]:
+    """Canonical tensor name -> (name in the checkpoint, file); a tensor present under two names is refused."""
+    out: dict[str, tuple[str, Path]] = {}
+    for k, f in _tensor_files(d).items():
+        c = _canonical(k)
+        if c in out:
+            raise CheckpointError(f"{d}: tensors '{out[c][0]}' and '{k}' are the same parameter; keep one")
+        out[c] = (k, f)
+    return out
+
+
 def load_checkpoint(path: str | Path, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> tuple[nn.Module, ModelConfig]:
     d = Path(path)
     if not (d / "config.json").is_file():
         raise CheckpointError(f"{d}: missing config.json (expected a HuggingFace-format model directory)")
     try:
-        cfg = ModelConfig.from_hf(read_json(d / "config.json"))
+        cfg = read_model_config(d)
     except ConfigError as e:
         raise CheckpointError(f"{d}: {e}") from e
-    files = {_canonical(k): (k, f) for k, f in _tensor_files(d).items()}
+    files = _canonical_files(d)
     with torch.device("meta"):
         model = FAMILIES[cfg.family](cfg, tp)
     modules = dict(model.named_modules())
     expected = dict(model.state_dict(keep_vars=True))
+    buffers = {name for name, _ in model.named_buffers()}
     embedding = next(k for k in expected if k.endswith(("embed_tokens.weight", "word_embeddings.weight")))
-    state, missing, handles = {}, [], {}
+    state, missing, handles, used = {}, [], {}, set()
     for name, ref in expected.items():
         owner = modules[name.rpartition(".")[0]]
         parts = _parts(owner, name)
@@ -92,17 +127,23 @@ def load_checkpoint(path: str | Path, tp: TPGroup = SINGLE, dtype: torch.dtype =
         if absent:
             missing += absent
             continue
+        used.update(parts)
         tensors = [_tensor(handles, files[p][1], files[p][0]) for p in parts]
         full = owner.join(name, tensors) if len(parts) > 1 else tensors[0]
-        t = owner.shard_(name, full) if hasattr(owner, "shard_") and tp.world > 1 else full
+        t = owner.shard_(name, full) if isinstance(owner, Sharded) and tp.world > 1 else full
         if tuple(t.shape) != tuple(ref.shape):
             raise CheckpointError(
                 f"{d}: tensor '{files[parts[0]][0]}' gives shape {tuple(t.shape)} per rank, the config implies "
                 f"{tuple(ref.shape)} (tp={tp.world}); is config.json the one saved with these weights?"
             )
-        state[name] = t.to(dtype)
+        state[name] = t.to(dtype if name not in buffers else torch.float32)
     if missing:
         raise CheckpointError(f"{d}: missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)} in all)")
+    unused = sorted(files[k][0] for k in set(files) - used)
+    if unused:
+        raise CheckpointError(f"{d}: tensors the config does not describe: {unused[:5]}"
+                              f"{' ...' if len(unused) > 5 else ''} ({len(unused)} in all); is config.json the "
+                              "one saved with these weights (use_bias, use_qk_norm, ...)?")
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
     return model.to(device).eval(), cfg
@@ -110,7 +151,7 @@ def load_checkpoint(path: str | Path, tp: TPGroup = SINGLE, dtype: torch.dtype =
 
 def _parts(owner: nn.Module, name: str) -> list[str]:
     """The checkpoint names of parameter `name`: itself, or the tensors a packed parameter joins."""
-    return owner.checkpoint_parts(name) if hasattr(owner, "checkpoint_parts") else [name]
+    return owner.checkpoint_parts(name) if isinstance(owner, PackedTensors) else [name]
 
 
 def _tensor(handles: dict[Path, object], f: Path, name: str) -> torch.Tensor:
@@ -163,7 +204,8 @@ def save_checkpoint(model: nn.Module, cfg: ModelConfig, path: str | Path, shard_
 
 
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> None:
-    """Copy a model directory's tokenizer files (those present) next to weights written elsewhere."""
+    """Copy a model directory's tokenizer files, generation config and chat template (those present) next to
+    weights written elsewhere: the exported checkpoint stops and prompts as its source did."""
     import shutil
 
     for name in TOKENIZER_FILES:

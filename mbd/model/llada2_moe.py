@@ -42,7 +42,11 @@ class LLaDA2Attention(nn.Module):
 
 
 class LLaDA2Gate(nn.Module):
-    """Sigmoid scores; the expert bias only steers *which* experts are chosen, not their weights."""
+    """Sigmoid scores; the expert bias only steers *which* experts are chosen, not their weights.
+
+    router_dtype fp32 (the only one config.json may state, `mbd.hf_keys`): the router's logits are computed in
+    float32 and the expert bias is kept in float32 through `.to(dtype)`, as the reference engines keep it (a bias
+    rounded to bfloat16 can flip near-ties between experts)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -50,6 +54,13 @@ class LLaDA2Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
         nn.init.normal_(self.weight, std=0.02)
+
+    def _apply(self, fn, recurse=True):
+        bias = self._buffers.pop("expert_bias")
+        super()._apply(fn, recurse)
+        # fn moves and casts; only its move applies to the bias (an empty slice tells where fn puts tensors)
+        self._buffers["expert_bias"] = bias.to(fn(bias[:0]).device)
+        return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg

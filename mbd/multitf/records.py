@@ -18,7 +18,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from mbd.config import ModelConfig, read_json
+from mbd.checkpoint_files import read_model_config
+from mbd.config import ModelConfig
 from mbd.tokenizer import Tokenizer
 
 
@@ -60,7 +61,7 @@ def parse_record(record: Any) -> tuple[list[dict], str]:
 @lru_cache(maxsize=4)
 def load_tokenizer(model_dir: str) -> tuple[Tokenizer, ModelConfig]:
     """Tokenizer and model config of a checkpoint directory (cached once per worker process)."""
-    cfg = ModelConfig.from_hf(read_json(Path(model_dir) / "config.json"))
+    cfg = read_model_config(model_dir)
     return Tokenizer.from_dir(model_dir, cfg), cfg
 
 

@@ -39,8 +39,8 @@ def build_tokenizer() -> Tokenizer:
 
 
 def tokenizer_config() -> dict:
-    """HF-style `tokenizer_config.json`. The chat format is named, not given as Jinja: `mbd.tokenizer`
-    renders chat in Python and never executes a template from a checkpoint directory."""
+    """HF-style `tokenizer_config.json`. It ships no Jinja `chat_template`: `mbd.tokenizer` then uses the
+    built-in sdar (ChatML) template (`mbd.chat_template`); `chat_template_family` only names it for readers."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOS,

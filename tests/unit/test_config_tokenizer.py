@@ -4,7 +4,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, decoders
 
 from mbd.config import ConfigError, DecodeConfig, ModelConfig, load_yaml
-from mbd.tokenizer import Tokenizer, TokenizerError, render_chat
+from mbd.chat_template import BUILTIN, ChatTemplate
+from mbd.tokenizer import Tokenizer, TokenizerError
 from tests.conftest import tiny_cfg
 
 
@@ -37,11 +38,17 @@ def test_model_config_hf_round_trip_and_errors():
 
 
 def test_chat_formats():
+    """The built-in templates (for checkpoints that ship none): ChatML for sdar; LLaDA2's with the authors'
+    system turn, a system message before `detailed thinking off`."""
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
-    assert render_chat(msgs, "sdar") == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
-    assert render_chat(msgs, "llada2_moe") == "<role>SYSTEM</role>S<|role_end|><role>HUMAN</role>Q<|role_end|><role>ASSISTANT</role>"
+    sdar, llada2 = ChatTemplate(BUILTIN["sdar"]), ChatTemplate(BUILTIN["llada2_moe"])
+    assert sdar.render(msgs) == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    assert llada2.render(msgs) == ("<role>SYSTEM</role>S\ndetailed thinking off<|role_end|><role>HUMAN</role>Q"
+                                   "<|role_end|><role>ASSISTANT</role>")
+    assert llada2.render(msgs[1:]) == ("<role>SYSTEM</role>detailed thinking off<|role_end|><role>HUMAN</role>Q"
+                                       "<|role_end|><role>ASSISTANT</role>")
     with pytest.raises(TokenizerError, match=r"messages\[0\].role"):
-        render_chat([{"role": "tool", "content": "x"}], "sdar")
+        sdar.render([{"role": "tool", "content": "x"}])
 
 
 def test_tokenizer_from_dir(tmp_path):

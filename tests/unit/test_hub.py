@@ -70,16 +70,17 @@ def test_offline_miss_says_so(hub_cache):
         resolve_model("mbd-test/tiny-sdar@v9")
 
 
-def test_only_weights_config_and_tokenizer_are_fetched():
+def test_only_weights_config_tokenizer_and_template_are_fetched():
     """The file list of a real SDAR repository (JetLM/SDAR-4B-Chat-b64), filtered by huggingface_hub's own
-    matcher with our patterns: no modeling/configuration/tokenization code, no Jinja template."""
+    matcher with our patterns: what the loader reads (the chat template too, rendered in a sandbox), no
+    modeling/configuration/tokenization code."""
     files = [".gitattributes", "README.md", "added_tokens.json", "chat_template.jinja", "config.json",
              "configuration_sdar.py", "generation_config.json", "merges.txt", "model-00001-of-00002.safetensors",
              "model-00002-of-00002.safetensors", "model.safetensors.index.json", "modeling_sdar.py",
              "special_tokens_map.json", "tokenization_qwen2.py", "tokenization_qwen2_fast.py", "tokenizer.json",
              "tokenizer_config.json", "vocab.json"]
     got = sorted(filter_repo_objects(files, allow_patterns=ALLOW_PATTERNS))
-    assert got == ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+    assert got == ["chat_template.jinja", "config.json", "generation_config.json", "model-00001-of-00002.safetensors",
                    "model-00002-of-00002.safetensors", "model.safetensors.index.json", "special_tokens_map.json",
                    "tokenizer.json", "tokenizer_config.json"]
 

@@ -28,7 +28,7 @@ def test_sdar_equals_qwen3(tmp_path, tied):
     import json
     cfg_path = tmp_path / "config.json"
     d = json.loads(cfg_path.read_text())
-    d.update(architectures=["SDARForCausalLM"], mask_token_id=95, block_size=1, eos_token_id=94)
+    d.update(architectures=["SDARForCausalLM"], model_type="sdar", mask_token_id=95, block_size=1, eos_token_id=94)
     cfg_path.write_text(json.dumps(d))
 
     model, cfg = load_checkpoint(tmp_path)
