@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from actors.engine_host import EngineRestarts
+from actors.supervisor import EngineRestarts
 from mbd.config import DecodeConfig, EngineConfig, StrictModel, load_yaml
 from mbd.decoding.spec import ModelSpec
 
