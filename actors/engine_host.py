@@ -47,9 +47,9 @@ from actors.streams import Counts, Exited, Next, Stream, hand_over
 from actors.supervisor import EngineRestarts, convicted, died_by_itself, exit_status
 from actors.trace import Trace
 from mbd.config import DecodeConfig, EngineConfig
-from mbd.decoding.constraints import ConstraintSpec
+from mbd.decoding.constraint_spec import ConstraintSpec
 from mbd.decoding.outputs import StepOutput
-from mbd.decoding.spec import ModelSpec
+from mbd.decoding.model_spec import ModelSpec
 from mbd.decoding.validate import EngineLimits, RequestError
 
 log = logging.getLogger("ray.serve")

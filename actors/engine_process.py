@@ -32,7 +32,8 @@ from actors.tp_worker import Lockstep, init_tp
 from actors.trace import Trace
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.engine import Engine
-from mbd.decoding.spec import ModelSpec, build_engine
+from mbd.decoding.model_spec import ModelSpec
+from mbd.decoding.spec import build_engine
 
 ON_STEP_S = 0.5  # stats ride along with a step's outputs at most this often (a step can take a millisecond)
 IDLE_TICK_S = 1.0  # an idle rank 0 still broadcasts this often, so follower ranks never hit a collective timeout

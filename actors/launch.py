@@ -15,7 +15,7 @@ from actors.messages import EngineDead, Failed, Ready
 from actors.supervisor import exit_status
 from actors.tp_worker import TPWorker, free_port
 from mbd.config import DecodeConfig, EngineConfig
-from mbd.decoding.spec import ModelSpec
+from mbd.decoding.model_spec import ModelSpec
 from mbd.decoding.validate import EngineLimits
 
 

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Union
 
 if TYPE_CHECKING:
     from mbd.config import DecodeConfig, EngineConfig
-    from mbd.decoding.constraints import ConstraintSpec
+    from mbd.decoding.constraint_spec import ConstraintSpec
     from mbd.decoding.outputs import StepOutput
-    from mbd.decoding.spec import ModelSpec
+    from mbd.decoding.model_spec import ModelSpec
     from mbd.decoding.validate import EngineLimits, RequestError
 
 

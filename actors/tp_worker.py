@@ -19,7 +19,8 @@ import torch.distributed as dist
 from actors.messages import Abort, Add, LockstepOp, Refusal, Stop
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.engine import Engine, StepOutput
-from mbd.decoding.spec import ModelSpec, build_engine
+from mbd.decoding.model_spec import ModelSpec
+from mbd.decoding.spec import build_engine
 from mbd.decoding.validate import RequestError
 from mbd.model import TPGroup
 

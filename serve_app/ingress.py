@@ -24,7 +24,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from actors.messages import RequestQuarantined
 from actors.trace import Trace
 from mbd.config import DecodeConfig, ModelConfig, read_json
-from mbd.decoding.constraints import ConstraintSpec
+from mbd.decoding.constraint_spec import ConstraintSpec
 from mbd.decoding.outputs import StepOutput
 from mbd.decoding.validate import EngineLimits, RequestError
 from mbd.detokenize import TextStream

@@ -16,7 +16,7 @@ from actors.engine_process import POISON_ENV
 from actors.messages import EngineDead, RequestQuarantined
 from actors.supervisor import EngineRestarts
 from mbd.decoding import Engine, EngineConfig
-from mbd.decoding.spec import ModelSpec
+from mbd.decoding.model_spec import ModelSpec
 from mbd.model import load_checkpoint
 from tests.integration.test_serve_units import DECODE, _collect, _Log, ckpt, tok  # noqa: F401 - fixtures
 

@@ -12,7 +12,7 @@ import torch
 from actors.engine_host import EngineHost
 from actors.messages import EngineDead
 from actors.supervisor import EngineRestarts
-from mbd.decoding.spec import ModelSpec
+from mbd.decoding.model_spec import ModelSpec
 from mbd.config import ConfigError, DecodeConfig, ModelConfig
 from mbd.decoding import Engine, EngineConfig
 from mbd.model import build_model, load_checkpoint, save_checkpoint
@@ -266,7 +266,7 @@ def test_engine_process_ends_with_its_replica(ckpt, tok):
 
     script = textwrap.dedent(f"""
         from actors.engine_host import EngineHost
-        from mbd.decoding.spec import ModelSpec
+        from mbd.decoding.model_spec import ModelSpec
         from mbd.config import EngineConfig
         from tests.integration.test_serve_units import DECODE
         host = EngineHost(ModelSpec(path={str(ckpt)!r}), DECODE, EngineConfig(max_batch_rows=2))
