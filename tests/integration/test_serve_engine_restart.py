@@ -136,10 +136,10 @@ async def _scenario(base: str, replica_pid: int) -> tuple[list, list, float, flo
 
 
 def test_a_request_that_crashes_the_engine_gets_a_500_and_the_one_beside_it_succeeds(base):
-    """A poisonous and an innocent non-streaming request sent together: the engine dies by itself (exit code
-    70) with the poisonous one in its step; each suspect is re-run alone; the poisonous one kills the engine again
-    and is failed: HTTP 500 without Retry-After, naming why, not retried by the ingress; the innocent one gets its
-    200; two restarts, one quarantined request, no stream lost."""
+    """A poisonous and an innocent non-streaming request sent together: the engine dies by itself (it raises)
+    with the poisonous one in its step; each suspect is re-run alone; the poisonous one kills the engine again and
+    is failed: HTTP 500 without Retry-After, naming why, not retried by the ingress; the innocent one gets its 200;
+    two restarts, one quarantined request, no stream lost."""
     before = _stats()
     bodies = [{"model": "mbd-test", "prompt": f"1+{POISON}=", "max_tokens": 8},
               {"model": "mbd-test", "prompt": "2+2=", "max_tokens": 8}]

@@ -1,9 +1,9 @@
 """Quarantine by evidence, with the engine host driven in-process against the real engine: a poisonous request
-(one whose prompt holds `POISON`, which makes the engine process exit by itself when a step runs it: the
-test-only `engine_process.POISON_ENV`) is failed only after its solitary re-run kills the engine again; the
-innocent requests of its step, and those queued beside it, complete with the tokens the engine gives them alone;
-an outside SIGKILL quarantines nobody; a replica that gives up fails a suspect with RequestQuarantined, never
-EngineDead (which the ingress would answer with a retry)."""
+(one whose prompt holds `POISON`: the test-only `engine_process.POISON_ENV` makes the engine process raise when a
+step runs it) is failed only after its solitary re-run kills the engine again; the innocent requests of its step,
+and those queued beside it, complete with the tokens the engine gives them alone; an outside SIGKILL quarantines
+nobody; a replica that gives up fails a suspect with RequestQuarantined, never EngineDead (which the ingress
+would answer with a 503 to retry)."""
 
 import asyncio
 import os
@@ -64,7 +64,7 @@ def test_innocent_requests_beside_a_poisonous_one_complete_and_it_fails_after_it
         assert (s["engine_restarts"], s["quarantined"], s["lost_mid_stream"], s["kept"], s["readmitted"]) == \
             (2, 1, 0, 4, 3)
         exits = [line for line in logged.lines if "exited (" in line]
-        assert len(exits) == 2 and all("exit code 70" in e and "by itself in a step" in e for e in exits)
+        assert len(exits) == 2 and all("exit code 1; RuntimeError" in e and "by itself in a step" in e for e in exits)
         assert "0 request(s) quarantined, 2 suspect(s) to re-run alone, 3 request(s) kept" in exits[0]
         assert "1 request(s) quarantined, 0 suspect(s) to re-run alone, 1 request(s) kept" in exits[1]
         host.check()
