@@ -9,10 +9,10 @@ process the engine steps at its own speed while the replica's Python runs beside
 core from its API server for the same reason).
 
 The replica (actors/engine_host.py `EngineHost`) starts `python -m actors.engine_process` with one end of a socket pair
-and talks to it through that one connection. In: the ops of `actors.tp_worker.Op` and ("stats",). Out: ("ready",
-EngineLimits) once, then per step that has something to say ("step", outputs, refusals, stats or None), ("stats",
-dict) when asked, or ("error", message) before exiting. The process ends when the replica sends ("stop",) or when
-the connection closes (the replica died: no engine outlives its replica).
+and talks to it through that one connection, in the messages of actors/messages.py. In: `Start` first, then
+`Add`, `Abort`, `AskStats`, `Stop`. Out: `Ready` once, then `Running` before a step whose requests changed,
+`Stepped` after a step that has something to say, `StatsReply` when asked, or `Failed` before exiting. The
+process ends on `Stop` or when the connection closes (the replica died: no engine outlives its replica).
 """
 
 from __future__ import annotations
@@ -27,15 +27,18 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from actors.tp_worker import Lockstep, Op, init_tp
+from actors.messages import Add, AskStats, Failed, Ready, Running, Start, StatsReply, Stepped, ToEngine
+from actors.tp_worker import Lockstep, init_tp
 from actors.trace import Trace
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.engine import Engine
-from mbd.decoding.spec import ModelSpec, build_engine
+from mbd.decoding.model_spec import ModelSpec
+from mbd.decoding.spec import build_engine
 
 ON_STEP_S = 0.5  # stats ride along with a step's outputs at most this often (a step can take a millisecond)
 IDLE_TICK_S = 1.0  # an idle rank 0 still broadcasts this often, so follower ranks never hit a collective timeout
 FD_ENV = "MBD_ENGINE_FD"  # the inherited socket's file descriptor
+POISON_ENV = "MBD_TEST_POISON"  # tests only: comma-separated token ids; a step with a prompt holding them crashes
 
 
 def engine_stats(engine: Engine, in_engine: int) -> dict[str, float]:
@@ -48,7 +51,7 @@ def engine_stats(engine: Engine, in_engine: int) -> dict[str, float]:
             "prefix_hit_tokens": s.prefix_hit_tokens, "preemptions": s.preemptions}
 
 
-def _drain(conn: Connection, block: bool) -> list[Op]:
+def _drain(conn: Connection, block: bool) -> list[ToEngine]:
     """Every op waiting on the connection; when idle, wait up to IDLE_TICK_S for the first. EOFError: the replica
     is gone."""
     ops = []
@@ -59,27 +62,41 @@ def _drain(conn: Connection, block: bool) -> list[Op]:
     return ops
 
 
-def serve(conn: Connection, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, addr: str, port: int) -> None:
-    """Build rank 0's engine, report its limits, then run the loop until ("stop",) or the replica goes."""
+def _poisoned(prompt_ids: list[int], poison: list[int]) -> bool:
+    """Tests only (`POISON_ENV`): a request that crashes the engine by itself, as a rare bug would."""
+    n = len(poison)
+    return n > 0 and any(prompt_ids[i: i + n] == poison for i in range(len(prompt_ids) - n + 1))
+
+
+def serve(conn: Connection, start: Start) -> None:
+    """Build rank 0's engine, report its limits, then run the loop until `Stop` or the replica goes."""
     trace = Trace("engine")
-    tp, ctrl = init_tp(spec, engine, 0, addr, port)
+    poison = [int(t) for t in os.environ.get(POISON_ENV, "").split(",") if t]
+    tp, ctrl = init_tp(start.spec, start.engine, 0, start.addr, start.port)
     try:
         with torch.inference_mode():
-            lock = Lockstep(build_engine(spec.resolved_path(), decode, engine, tp), tp.world, ctrl)
-            conn.send(("ready", lock.engine.limits))
-            reported, committed = 0.0, {}
+            lock = Lockstep(build_engine(start.spec.resolved_path(), start.decode, start.engine, tp), tp.world, ctrl)
+            conn.send(Ready(lock.engine.limits))
+            reported, committed, running, poisoned = 0.0, {}, (), set()
             while not lock.stopped:
                 idle = not lock.engine.has_unfinished()
                 t = time.perf_counter()
                 ops = _drain(conn, block=idle)
                 if idle:
                     trace.mark("-", "idle", time.perf_counter() - t)
-                asks = sum(op[0] == "stats" for op in ops)
-                ops = lock.exchange([op for op in ops if op[0] != "stats"])
+                asks = [op.ask for op in ops if isinstance(op, AskStats)]
+                ops = lock.exchange([op for op in ops if not isinstance(op, AskStats)])
                 refused = lock.apply(ops)
+                no = {r.request_id for r in refused}
                 for op in ops:
-                    if op[0] == "add" and op[1] not in dict(refused):
-                        trace.mark(op[1], "admit")
+                    if isinstance(op, Add) and op.request_id not in no:
+                        trace.mark(op.request_id, "admit")
+                        if _poisoned(op.prompt_ids, poison):
+                            poisoned.add(op.request_id)
+                if running != (running := lock.in_step()):
+                    conn.send(Running(running))  # before the step: if it kills the engine, the replica knows who
+                if poisoned.intersection(running):  # as an engine bug would: the process reports it and exits
+                    raise RuntimeError(f"{POISON_ENV}: a poisonous request is in the step")
                 t = time.perf_counter()
                 outs = lock.step()
                 trace.mark("-", "step", time.perf_counter() - t)
@@ -93,9 +110,9 @@ def serve(conn: Connection, spec: ModelSpec, decode: DecodeConfig, engine: Engin
                 if asks or (outs and time.monotonic() - reported >= ON_STEP_S):
                     reported, stats = time.monotonic(), engine_stats(lock.engine, len(lock.live))
                 if outs or refused or stats is not None:
-                    conn.send(("step", outs, refused, stats))
-                for _ in range(asks):
-                    conn.send(("stats", stats))
+                    conn.send(Stepped(outs, refused, stats))
+                for ask in asks:
+                    conn.send(StatsReply(ask, stats))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -104,12 +121,12 @@ def serve(conn: Connection, spec: ModelSpec, decode: DecodeConfig, engine: Engin
 def main() -> None:
     conn = Connection(int(os.environ.pop(FD_ENV)))
     try:
-        serve(conn, *conn.recv())
+        serve(conn, conn.recv())
     except EOFError:  # the replica went away: nobody is left to serve
         pass
     except BaseException as e:  # noqa: BLE001 - the replica fails its requests and its health check with this
         try:
-            conn.send(("error", repr(e)))
+            conn.send(Failed(repr(e)))
         except OSError:
             pass
         sys.exit(1)
@@ -124,7 +141,7 @@ def start(spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, addr: str
     proc = subprocess.Popen([sys.executable, "-m", "actors.engine_process"], env=env, pass_fds=[theirs.fileno()])
     theirs.close()
     conn = Connection(mine.detach())
-    conn.send((spec, decode, engine, addr, port))
+    conn.send(Start(spec, decode, engine, addr, port))
     return proc, conn
 
 

@@ -16,15 +16,13 @@ import ray
 import torch
 import torch.distributed as dist
 
+from actors.messages import Abort, Add, LockstepOp, Refusal, Stop
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.engine import Engine, StepOutput
-from mbd.decoding.spec import ModelSpec, build_engine
+from mbd.decoding.model_spec import ModelSpec
+from mbd.decoding.spec import build_engine
 from mbd.decoding.validate import RequestError
 from mbd.model import TPGroup
-
-# Ops broadcast from rank 0: ("add", request_id, prompt_ids, DecodeConfig, ConstraintSpec | None) |
-# ("abort", request_id) | ("stop",)
-Op = tuple
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -57,7 +55,7 @@ class Lockstep:
         self.live: set[str] = set()
         self.stopped = False
 
-    def exchange(self, ops: list[Op] | None) -> list[Op]:
+    def exchange(self, ops: list[LockstepOp] | None) -> list[LockstepOp]:
         """Rank 0 passes its ops, the others None; everyone returns rank 0's ops."""
         if self.world == 1:
             return ops or []
@@ -65,25 +63,33 @@ class Lockstep:
         dist.broadcast_object_list(box, src=0, group=self.ctrl)
         return box[0]
 
-    def apply(self, ops: list[Op]) -> list[tuple[str, RequestError]]:
-        """Apply ops in order; return the admissions the engine's request check refused, as (request_id, the
-        error naming the field). Every rank refuses the same ones (same ops, same state), so a refusal never
-        breaks the lockstep."""
+    def apply(self, ops: list[LockstepOp]) -> list[Refusal]:
+        """Apply ops in order; return the admissions the engine's request check refused, each with the error
+        naming the field. Every rank refuses the same ones (same ops, same state), so a refusal never breaks the
+        lockstep."""
         refused = []
         for op in ops:
-            if op[0] == "add":
+            if isinstance(op, Add):
                 try:
-                    self.engine.add_request(op[2], op[3], request_id=op[1], constraint=op[4])
-                    self.live.add(op[1])
+                    self.engine.add_request(op.prompt_ids, op.params, request_id=op.request_id,
+                                            constraint=op.constraint)
+                    self.live.add(op.request_id)
                 except ValueError as e:  # RequestError, or ConstraintError (which names its field too)
-                    refused.append((op[1], e if isinstance(e, RequestError) else
-                                    RequestError(getattr(e, "field", None), str(e))))
-            elif op[0] == "abort" and op[1] in self.live:
-                self.engine.abort(op[1])
-                self.live.discard(op[1])
-            elif op[0] == "stop":
+                    refused.append(Refusal(op.request_id, e if isinstance(e, RequestError) else
+                                           RequestError(getattr(e, "field", None), str(e))))
+            elif isinstance(op, Abort) and op.request_id in self.live:
+                self.engine.abort(op.request_id)
+                self.live.discard(op.request_id)
+            elif isinstance(op, Stop):
                 self.stopped = True
         return refused
+
+    def in_step(self) -> tuple[str, ...]:
+        """The requests the next step may run: those in batch rows, then as many waiting ones as rows are free
+        (the scheduler admits from the front of its queue)."""
+        sched = self.engine.scheduler
+        free = sched.rows - len(sched.running)
+        return tuple(r.id for r in sched.running.values()) + tuple(r.id for r in list(sched.waiting)[:free])
 
     def step(self) -> list[StepOutput]:
         if not self.engine.has_unfinished():

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from actors.engine_host import EngineRestarts
+from actors.supervisor import EngineRestarts
 from mbd.config import DecodeConfig, EngineConfig, StrictModel, load_yaml
-from mbd.decoding.spec import ModelSpec
+from mbd.decoding.model_spec import ModelSpec
 
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from mbd.config import DecodeConfig
-from mbd.decoding.constraints import ConstraintError, ConstraintSpec
+from mbd.decoding.constraint_spec import ConstraintError, ConstraintSpec
 from mbd.decoding.validate import EngineLimits, RequestError, validate_prompt, validate_request
 from mbd.tokenizer import Tokenizer, TokenizerError
 from serve_app.config import ServeConfig

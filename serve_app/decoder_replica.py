@@ -8,9 +8,10 @@ import os
 
 from ray import serve
 
-from actors.engine_host import EngineHost, EngineRestarts
+from actors.engine_host import EngineHost
+from actors.supervisor import EngineRestarts
 from mbd.config import DecodeConfig, EngineConfig
-from mbd.decoding.spec import ModelSpec
+from mbd.decoding.model_spec import ModelSpec
 from serve_app.metrics import DecoderMetrics
 
 

@@ -21,11 +21,11 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from actors.engine_host import EngineDead, RequestQuarantined
+from actors.messages import RequestQuarantined
 from actors.trace import Trace
 from mbd.checkpoint_files import read_model_config
 from mbd.config import DecodeConfig
-from mbd.decoding.constraints import ConstraintSpec
+from mbd.decoding.constraint_spec import ConstraintSpec
 from mbd.decoding.outputs import StepOutput
 from mbd.decoding.validate import EngineLimits, RequestError
 from mbd.detokenize import TextStream
@@ -52,9 +52,12 @@ def _root(e: BaseException) -> BaseException:
     return getattr(e, "cause", None) or e
 
 
-def _replica_died(e: BaseException) -> bool:
-    """The request's replica is gone (killed, its node lost) or can no longer decode (its engine loop died)."""
-    return isinstance(e, RayActorError) or isinstance(_root(e), EngineDead)
+def _replica_gone(e: BaseException) -> bool:
+    """The request's replica itself is gone (killed, its node lost): the only failure the ingress recovers from,
+    by starting the request elsewhere. An engine process that died is the replica's to recover (it re-runs the
+    requests that had sent nothing, actors/engine_host.py); one it gave up on answers 503, a quarantined request
+    500."""
+    return isinstance(e, RayActorError)
 
 
 def _size(prompt: str | list) -> int:
@@ -252,17 +255,17 @@ class OpenAIIngress:
 
     async def _open(self, prompt: list[int], params: DecodeConfig, per_block: bool, eid: str,
                     constraint: ConstraintSpec | None = None) -> tuple[DeploymentResponseGenerator, StepOutput]:
-        """One engine request and its first output. A request whose replica died before answering (killed, lost
-        with its node, or its engine loop dead) is started again, on whichever replica Serve routes it to, up to
+        """One engine request and its first output. A request whose replica is gone before answering (killed,
+        lost with its node) is started again, on whichever replica Serve routes it to, up to
         decoder.replica_retries times (under a fresh id: a replica that only looked dead may still hold it)."""
         attempt = 0
         while True:
-            gen = self.decoder.generate.remote(prompt, params, per_block, eid if not attempt else f"{eid}~{attempt}",
-                                               constraint)
+            gen = self.decoder.generate.remote(prompt_ids=prompt, params=params, per_block=per_block,
+                                               rid=eid if not attempt else f"{eid}~{attempt}", constraint=constraint)
             try:
                 return gen, await _first(gen)
-            except Exception as e:  # noqa: BLE001 - sorted by _replica_died
-                if attempt >= self.cfg.decoder.replica_retries or not _replica_died(e):
+            except Exception as e:  # noqa: BLE001 - sorted by _replica_gone
+                if attempt >= self.cfg.decoder.replica_retries or not _replica_gone(e):
                     raise
                 log.warning("replica died before answering request %s; starting it again: %r", eid, e)
             attempt += 1
@@ -270,9 +273,9 @@ class OpenAIIngress:
 
     async def _collect(self, rid: str, req: SamplingFields, prompts: list[list[int]], choices: list[Choice],
                        t0: float) -> tuple[list[Choice], list[str]]:
-        """The whole text of every choice. Nothing reaches the client before it is complete, so when a replica
-        dies mid-way the request is decoded again from the start (the same seeds give the same tokens), up to
-        decoder.replica_retries times."""
+        """The whole text of every choice. Nothing reaches the client before it is complete, so when its replica
+        is gone mid-way the request is decoded again from the start elsewhere (the same seeds give the same
+        tokens), up to decoder.replica_retries times."""
         for attempt in range(self.cfg.decoder.replica_retries + 1):
             texts = [""] * len(choices)
             try:
@@ -281,7 +284,7 @@ class OpenAIIngress:
                         texts[p.index] += p.text
                 break
             except Exception as e:  # noqa: BLE001 - details stay in the server log
-                if attempt < self.cfg.decoder.replica_retries and _replica_died(e):
+                if attempt < self.cfg.decoder.replica_retries and _replica_gone(e):
                     log.warning("replica died mid-request %s; decoding it again: %r", rid, e)
                     choices = await self._start(f"{rid}~{attempt + 1}", req, prompts)
                     continue

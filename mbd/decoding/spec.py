@@ -1,5 +1,5 @@
-"""The one way to build an engine over a checkpoint: `build_engine(path, decode, engine)`, and `ModelSpec`, the
-served model a decoder replica builds its engine from.
+"""The one way to build an engine over a checkpoint: `build_engine(path, decode, engine)` (a served model is
+described by `mbd.decoding.model_spec.ModelSpec`).
 
 The CLI (`mbd generate`), the eval sweeps' decoder actors, the tensor-parallel ranks of a served replica and
 `mbd pretrain-tiny`'s evaluation all build their engines here, so a model directory and an `EngineConfig`
@@ -14,36 +14,14 @@ from pathlib import Path
 import psutil
 import torch
 import torch.distributed as dist
-from pydantic import Field
 
-from mbd.config import DecodeConfig, EngineConfig, StrictModel
+from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.engine import Engine
-from mbd.hub import resolve_model
+from mbd.decoding.model_spec import model_dir
 from mbd.model.tp import SINGLE, TPGroup
 from mbd.tokenizer import Tokenizer
 
 Loaded = tuple[torch.nn.Module, Tokenizer | None]
-
-
-def model_dir(path: str | Path) -> Path:
-    """Absolute model directory: relative paths from the working directory, then the repository root, so
-    `mbd/assets/tiny` works from any directory and inside the Docker image; a Hugging Face Hub id
-    ORG/NAME[@REVISION]: its cached snapshot (mbd.hub)."""
-    return resolve_model(path).resolve()
-
-
-class ModelSpec(StrictModel):
-    """A served model: its weights, the replica's name, tensor parallelism and resources per rank (how the
-    engine runs is the serve config's `engine:` section)."""
-
-    path: str = Field(description="model directory: config.json, *.safetensors, tokenizer.json")
-    name: str = Field(default="mbd-tiny", min_length=1, description="the `model` id clients send")
-    tensor_parallel_size: int = Field(default=1, ge=1, le=8)
-    num_cpus_per_rank: float = Field(default=1.0, gt=0)
-    num_gpus_per_rank: float = Field(default=0.0, ge=0)
-
-    def resolved_path(self) -> Path:
-        return model_dir(self.path)
 
 
 def load_engine_model(path: str | Path, engine: EngineConfig, tp: TPGroup = SINGLE) -> Loaded:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mbd.config import DecodeConfig
+from mbd.decoding.validate import RequestParams
 
 if TYPE_CHECKING:
     from mbd.decoding.constraints import Matcher
@@ -33,36 +33,6 @@ class SlotState(IntEnum):
     ACTIVE = 1
     TO_CACHE = 2
     IN_CACHE = 3
-
-
-@dataclass(frozen=True)
-class RequestParams:
-    """A request's resolved decoding parameters (host side; thresholds None = not used, as in the table)."""
-
-    buffer_size: int
-    gen_end: int  # absolute position where generation must stop: min(prompt + max_new_tokens, max_length)
-    max_nfe: int
-    tau_add: float | None
-    tau_semi: float
-    tau_stable: float | None
-    tau_m2t: float
-    tau_t2t: float | None
-    temperature: float
-    seed: int
-    top_p: float = 1.0
-    top_k: int = 0
-    ignore_eos: bool = False
-    logprobs: bool = False
-    provisional: bool = False
-    top_logprobs: int = 0
-
-    @classmethod
-    def resolve(cls, cfg: DecodeConfig, prompt_len: int, max_length: int) -> "RequestParams":
-        """A checked request's parameters (`mbd.decoding.validate` refuses a prompt that leaves no room)."""
-        limit = min(cfg.max_length, max_length)
-        return cls(cfg.buffer_size, min(prompt_len + cfg.max_new_tokens, limit), cfg.max_nfe, cfg.tau_add,
-                   cfg.tau_semi, cfg.tau_stable, cfg.tau_m2t, cfg.tau_t2t, cfg.temperature, cfg.seed,
-                   cfg.top_p, cfg.top_k, cfg.ignore_eos, cfg.logprobs, cfg.provisional, cfg.top_logprobs)
 
 
 class RowLayout(NamedTuple):

@@ -13,16 +13,48 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from mbd.config import DecodeConfig
-from mbd.decoding.constraints import ConstraintSpec, GrammarVocab
-from mbd.decoding.state import RequestParams
+from mbd.decoding.constraint_spec import ConstraintSpec
+
+if TYPE_CHECKING:  # the check runs at the ingress too, which loads no torch
+    from mbd.decoding.constraints import GrammarVocab
 
 Params = DecodeConfig | Mapping[str, Any] | None
 CONTEXT = "context_length_exceeded"  # OpenAI's error code for a request that does not fit the context
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """A request's resolved decoding parameters (host side; thresholds None = not used, as in the table)."""
+
+    buffer_size: int
+    gen_end: int  # absolute position where generation must stop: min(prompt + max_new_tokens, max_length)
+    max_nfe: int
+    tau_add: float | None
+    tau_semi: float
+    tau_stable: float | None
+    tau_m2t: float
+    tau_t2t: float | None
+    temperature: float
+    seed: int
+    top_p: float = 1.0
+    top_k: int = 0
+    ignore_eos: bool = False
+    logprobs: bool = False
+    provisional: bool = False
+    top_logprobs: int = 0
+
+    @classmethod
+    def resolve(cls, cfg: DecodeConfig, prompt_len: int, max_length: int) -> "RequestParams":
+        """A checked request's parameters (`mbd.decoding.validate` refuses a prompt that leaves no room)."""
+        limit = min(cfg.max_length, max_length)
+        return cls(cfg.buffer_size, min(prompt_len + cfg.max_new_tokens, limit), cfg.max_nfe, cfg.tau_add,
+                   cfg.tau_semi, cfg.tau_stable, cfg.tau_m2t, cfg.tau_t2t, cfg.temperature, cfg.seed,
+                   cfg.top_p, cfg.top_k, cfg.ignore_eos, cfg.logprobs, cfg.provisional, cfg.top_logprobs)
 
 
 class RequestError(ValueError):

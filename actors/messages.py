@@ -1,0 +1,130 @@
+"""What crosses a decoder replica's process boundaries, by name: the ops the replica (the engine host) sends its
+engine process and that rank 0 broadcasts to the other tensor-parallel ranks, what the engine process answers,
+and the errors a request can end with at the ingress.
+
+A request can be followed by reading: the ingress turns the HTTP body into prompt ids, a `DecodeConfig`
+(`max_tokens` -> `params.max_new_tokens`) and a `ConstraintSpec` (serve_app/convert.py) and calls the replica's
+`generate`; the host sends `Add` to the engine process (actors/engine_process.py), whose `Lockstep`
+(actors/tp_worker.py) hands it to `Engine.add_request`; each step comes back as `Stepped` with one
+`StepOutput` per request (`finish_reason` "length" once `max_new_tokens` are generated), which the host hands
+to the request's handler. Imports nothing heavy (no torch): the ingress reads these names too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    from mbd.config import DecodeConfig, EngineConfig
+    from mbd.decoding.constraint_spec import ConstraintSpec
+    from mbd.decoding.outputs import StepOutput
+    from mbd.decoding.model_spec import ModelSpec
+    from mbd.decoding.validate import EngineLimits, RequestError
+
+
+class EngineDead(RuntimeError):
+    """The engine process is gone for this request: it exited mid-stream, or the replica gave up restarting it
+    (then check_health fails and Serve replaces the replica)."""
+
+
+class RequestQuarantined(RuntimeError):
+    """The request was in the engine's step each time the engine died by itself, the last time alone: it is not
+    run again, here or on another replica (it would take that engine down as well)."""
+
+
+# ---- replica -> engine process (and rank 0 -> ranks 1..) ----
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """The engine process's arguments, its first message: what to build and where its TP ranks meet."""
+
+    spec: ModelSpec
+    decode: DecodeConfig
+    engine: EngineConfig
+    addr: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    """Admit a request (`Engine.add_request`); sent again to a new engine process after a restart."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: DecodeConfig
+    constraint: ConstraintSpec | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """End the loop (every rank)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AskStats:
+    """Answer `StatsReply` with the same `ask` after the next step (or at once when idle)."""
+
+    ask: int
+
+
+LockstepOp = Union[Add, Abort, Stop]  # what rank 0 broadcasts to every rank before a step
+ToEngine = Union[Add, Abort, Stop, AskStats]
+
+
+# ---- engine process -> replica ----
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The engine is built: what it can serve (the ingress checks requests against it)."""
+
+    limits: EngineLimits
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """The requests the next step may run (those in batch rows and those it may admit), sent before the step
+    whenever they change: the evidence that says which requests were in the step when the engine died."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """An `Add` the engine's request check refused, with the error naming the field."""
+
+    request_id: str
+    error: RequestError
+
+
+@dataclass(frozen=True, slots=True)
+class Stepped:
+    """What one step has to say: each request's output, the refused admissions, and the engine's stats
+    (`engine_process.engine_stats`; at most every `ON_STEP_S`, else None)."""
+
+    outputs: list[StepOutput]
+    refused: list[Refusal]
+    stats: dict[str, float] | None
+
+
+@dataclass(frozen=True, slots=True)
+class StatsReply:
+    ask: int
+    stats: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The engine process raised and is exiting (its last message)."""
+
+    message: str
+
+
+FromEngine = Union[Ready, Running, Stepped, StatsReply, Failed]

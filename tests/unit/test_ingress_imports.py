@@ -1,0 +1,27 @@
+"""The HTTP ingress loads no torch and no engine: it reads the request types (actors/messages.py,
+mbd/decoding/validate.py, outputs.py, constraint_spec.py, model_spec.py), never the engine host. Checked in a
+fresh interpreter, where nothing was imported before."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "mbd.decoding.engine", "actors.engine_host", "actors.engine_process")
+
+
+@pytest.mark.parametrize("module", ["serve_app.ingress", "serve_app.config", "actors.messages", "actors.supervisor"])
+def test_module_imports_no_torch(module):
+    code = f"import sys, {module}; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_decoding_package_still_exports_the_engine():
+    """`from mbd.decoding import Engine` loads it on first use (the package's names are lazy)."""
+    from mbd.decoding import Engine
+    from mbd.decoding.engine import Engine as Home
+
+    assert Engine is Home
