@@ -133,7 +133,8 @@ def main() -> None:
 
     from serve_app.app import build_app
 
-    cluster = LocalCluster(head_cpus=2, object_store_mb=300).start()
+    # a busy machine can take longer than Serve's 5 s to ready its proxy
+    cluster = LocalCluster(head_cpus=2, object_store_mb=300).start(env={"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"})
     prom = None
     try:
         cluster.connect()

@@ -114,7 +114,7 @@ class DecoderMetrics:
         self.waiting.set(stats["waiting"])
         self.kv_usage.set(stats["kv_pages_used"] / max(stats["kv_pages"], 1))
         d = {k: v - self._last.get(k, 0.0) for k, v in stats.items()}
-        if self._last.get("pid") != stats.get("pid"):  # a new engine process counts from zero again
+        if self._last.get("engine_pid") != stats["engine_pid"]:  # a new engine process counts from zero again
             d.update({k: stats[k] for k in ("steps", "step_s", "grammar_s", "decode_rows", "active_blocks",
                                             "resident_blocks", "preemptions", "prefix_query_tokens",
                                             "prefix_hit_tokens")})
