@@ -46,9 +46,9 @@ def body(rng: random.Random) -> dict:
         b |= {"stream": True}
     elif kind < 0.35:
         b |= {"guided_choice": ["yes", "no", "maybe"]}
-    elif kind < 0.40:
+    elif kind < 0.37:
         b |= {"max_tokens": -1}
-    elif kind < 0.43:
+    elif kind < 0.38:
         b |= {"temperature": -2}
     return b
 
