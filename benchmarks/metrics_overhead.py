@@ -58,8 +58,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    engine = build_engine("mbd/assets/tiny", DecodeConfig(buffer_size=2, tau_add=0.1, tau_semi=0.9, max_new_tokens=a.new),
-                          EngineConfig(device="cpu", max_batch_rows=a.rows))
+    decode = DecodeConfig(buffer_size=2, tau_add=0.1, tau_semi=0.9, max_new_tokens=a.new)
+    engine = build_engine("mbd/assets/tiny", decode, EngineConfig(device="cpu", max_batch_rows=a.rows))
     prompts = [p["question"] for p in tiny_problems("heldout", a.rows, seed=0)]
     one_round(engine, prompts, a.new, False)  # warm
     runs: dict[bool, list[float]] = {False: [], True: []}

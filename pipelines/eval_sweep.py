@@ -225,7 +225,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="override a field, e.g. --set workers=2 --set scorers=1")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from stored records; no Ray")
-    ap.add_argument("--no-progress", action="store_true", help="no redrawn progress line: a full one every 30 s (e.g. in job logs)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no redrawn progress line: a full one every 30 s (e.g. in job logs)")
     ap.add_argument("--unsafe-code-exec", action="store_true",
                     help="score code benchmarks even where kernel isolation (bubblewrap) is unavailable, with "
                          "Python-level guards only: model-written code could then read and change this machine")

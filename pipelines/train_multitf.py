@@ -409,7 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="YAML TrainConfig (configs/train/*.yaml)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, e.g. --set steps=10 --set deepspeed.zero_stage=3")
-    ap.add_argument("--no-progress", action="store_true", help="no redrawn progress line: a full one every 30 s (log-friendly)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no redrawn progress line: a full one every 30 s (log-friendly)")
     args = ap.parse_args(argv)
     try:
         cfg = load_yaml(args.config, TrainConfig, sets=args.overrides)

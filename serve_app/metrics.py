@@ -43,7 +43,8 @@ class IngressMetrics:
         def histogram(name: str, doc: str, bounds: list[float]) -> Histogram:
             return _named(Histogram(name, doc, boundaries=bounds, tag_keys=MODEL), model)
 
-        self.requests = counter("mbd_http_requests", "HTTP requests by endpoint and status code", ("endpoint", "status"))
+        self.requests = counter("mbd_http_requests", "HTTP requests by endpoint and status code",
+                                ("endpoint", "status"))
         self.refused = counter("mbd_requests_refused", "4xx answers by status and the request field they name",
                                ("status", "field"))
         self.prompt_tokens = counter("mbd_prompt_tokens", "prompt tokens of completed requests")

@@ -32,7 +32,8 @@ def test_eta_counts_only_this_runs_rate_and_lines_come_every_every_s():
     assert line.line() == "sweep problems: 45/100 (45%) · accuracy gsm8k 60.0% · 10s elapsed · ETA 1m50s"
     clock.t += 20
     line.update(done=55)
-    assert out.getvalue() == "sweep problems: 55/100 (55%) · accuracy gsm8k 60.0% · 30s elapsed · ETA 1m30s\n"  # 15 in 30 s, 45 left
+    # 15 done in 30 s, 45 left
+    assert out.getvalue() == "sweep problems: 55/100 (55%) · accuracy gsm8k 60.0% · 30s elapsed · ETA 1m30s\n"
     clock.t += 1
     line.update(done=100)
     line.close()
