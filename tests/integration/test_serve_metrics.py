@@ -9,6 +9,7 @@ import pytest
 
 from actors.tp_worker import free_port
 from serve_app.config import ServeConfig
+from serve_app.metrics import NFE
 from tests.integration.conftest import SERVE_SLOTS as SLOTS
 from tests.integration.scrape import export_ports, poll, total
 from tests.integration.test_serve_units import DECODE
@@ -50,17 +51,17 @@ def _streamed(c: httpx.Client, url: str, body: dict) -> dict:
 def test_counters_equal_what_was_served(base):
     url = f"{base}/v1/completions"
     prompts = ["1 + 1 =", "2 + 3 =", "the same prefix, the same prefix, again:", "4 * 4 =", "7 - 2 ="]
-    usages, nfe = [], 0
+    usages, nfe = [], []
     with httpx.Client(timeout=120) as c:
         for i in range(N_PLAIN):
             r = c.post(url, json={"model": MODEL, "prompt": prompts[i % len(prompts)], "max_tokens": 8 + i})
             assert r.status_code == 200, r.text
             usages.append(r.json()["usage"])
-            nfe += r.json()["mbd"]["nfe"]
+            nfe.append(r.json()["mbd"]["nfe"])
         for i in range(N_STREAM):
             tail = _streamed(c, url, {"model": MODEL, "prompt": prompts[i], "max_tokens": 12})
             usages.append(tail["usage"])
-            nfe += tail["mbd"]["nfe"]
+            nfe.append(tail["mbd"]["nfe"])
         for _ in range(N_REFUSED):
             r = c.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": -1})
             assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
@@ -85,7 +86,10 @@ def test_counters_equal_what_was_served(base):
     for h in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "tokens_per_forward",
               "forwards_per_request"):
         assert total(s, f"ray_mbd_{h}_count", **m) == n, h
-    assert total(s, "ray_mbd_forwards_per_request_sum", **m) == nfe
+    # each request's NFE in its bucket (Ray exports a histogram's _sum from bucket midpoints: not exact)
+    for le in NFE:
+        assert total(s, "ray_mbd_forwards_per_request_bucket", le=str(float(le)), **m) == \
+            sum(x <= le for x in nfe), le
     # the engine at idle, its pool freed; every series carries the model and Serve's replica tag
     assert total(s, "ray_mbd_num_requests_running", **m) == 0
     assert total(s, "ray_mbd_num_requests_waiting", **m) == 0
