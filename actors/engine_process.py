@@ -42,13 +42,18 @@ POISON_ENV = "MBD_TEST_POISON"  # tests only: comma-separated token ids; a step 
 
 
 def engine_stats(engine: Engine, in_engine: int) -> dict[str, float]:
-    """Requests in the engine, free batch rows, decode steps and their wall time, the KV page pool (pages some
-    request holds, pages free or cached), prefix-cache hit rate (prompt tokens served from cached pages) and
-    preemptions so far."""
-    s, kv = engine.stats, engine.kv
-    return {"in_engine": in_engine, "free_slots": engine.num_free_rows(), "steps": s.steps, "step_s": s.step_s,
-            "kv_pages_used": kv.used(), "kv_pages_free": kv.available(), "prefix_hit_rate": s.prefix_hit_rate,
-            "prefix_hit_tokens": s.prefix_hit_tokens, "preemptions": s.preemptions}
+    """Requests in the engine (those holding a batch row, those queued for one), free batch rows, decode steps
+    and their wall time (of it, the grammar matchers'), decoding rows, ACTIVE and resident blocks summed over
+    steps, the KV page pool (pages some request holds, pages free or cached, all pages), prefix-cache lookups
+    and hits (prompt tokens), preemptions so far, and this process's pid (a restarted engine counts from 0)."""
+    s, kv, sched = engine.stats, engine.kv, engine.scheduler
+    return {"in_engine": in_engine, "running": len(sched.running), "waiting": len(sched.waiting),
+            "free_slots": engine.num_free_rows(), "steps": s.steps, "step_s": s.step_s, "grammar_s": s.grammar_s,
+            "decode_rows": s.decode_rows, "active_blocks": s.active_blocks,
+            "resident_blocks": s.resident_positions // engine.block, "buffer_size": engine.n_buf,
+            "kv_pages_used": kv.used(), "kv_pages_free": kv.available(), "kv_pages": kv.capacity,
+            "prefix_hit_rate": s.prefix_hit_rate, "prefix_query_tokens": s.prefix_query_tokens,
+            "prefix_hit_tokens": s.prefix_hit_tokens, "preemptions": s.preemptions, "engine_pid": os.getpid()}
 
 
 def _drain(conn: Connection, block: bool) -> list[ToEngine]:
@@ -107,7 +112,8 @@ def serve(conn: Connection, start: Start) -> None:
                     if not o.finished:
                         committed[o.request_id] = n
                 stats = None
-                if asks or (outs and time.monotonic() - reported >= ON_STEP_S):
+                # also on the step that leaves the engine idle: gauges must not keep showing finished requests
+                if asks or (outs and (time.monotonic() - reported >= ON_STEP_S or not lock.engine.has_unfinished())):
                     reported, stats = time.monotonic(), engine_stats(lock.engine, len(lock.live))
                 if outs or refused or stats is not None:
                     conn.send(Stepped(outs, refused, stats))

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from benchmarks.hf_baseline import random_sdar
-from benchmarks.step_floor import matmul_rate, sync
+from benchmarks.step_floor import sync
+from mbd.flops import matmul_rate, train_flops_per_token
 from mbd.plan import TrainShape, zero_states
 
 TINY = "mbd/assets/tiny"
@@ -97,7 +98,7 @@ def zero2_steps(size: str, device: str, steps: int, rows: int, length: int, atte
         params, states = allocated_zero2(optimizer)
         plan = {i.name: i.bytes for i in zero_states(n_params, TrainShape(1, 2, ds.use_bf16(use_gpu), rows, length))}
         error = max(abs(plan["parameters"] - params) / params, abs(plan["optimizer states"] - states) / states)
-        flops = 6 * (n_params - model.model.embedding.weight.numel()) * tokens_s
+        flops = train_flops_per_token(model) * tokens_s
         return {"model": f"random SDAR {size} ({n_params / 1e6:.1f}M)", "losses": losses, "first_loss": losses[0],
                 "last_loss": losses[-1], "finite": all(np.isfinite(losses)), "plan_error": error,
                 "tokens_s": tokens_s, "mfu": flops / matmul_rate(device, torch.bfloat16 if use_gpu else torch.float32),

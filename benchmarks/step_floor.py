@@ -25,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mbd.flops import matmul_rate  # noqa: E402
 from mbd.config import DecodeConfig, EngineConfig, ModelConfig, read_json  # noqa: E402
 from mbd.decoding import Engine  # noqa: E402
 from mbd.model import build_model  # noqa: E402
@@ -77,20 +78,6 @@ def copy_rate(device: str, nbytes: int) -> float:
         sync(device)
         times.append(time.perf_counter() - t)
     return 2 * nbytes / statistics.median(times[1:])
-
-
-def matmul_rate(device: str, dtype: torch.dtype) -> float:
-    """FLOP/s of a large square matmul in `dtype` (the card's measured matrix rate), median of 5."""
-    n = 8192 if device == "cuda" else 1024
-    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    times = []
-    for _ in range(6):
-        sync(device)
-        t = time.perf_counter()
-        a @ b
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(times[1:])
 
 
 def sync(device: str) -> None:

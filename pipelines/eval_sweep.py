@@ -25,7 +25,6 @@ import sys
 import time
 
 import ray
-from tqdm import tqdm
 
 from mbd.config import ConfigError, apply_sets, read_yaml, resolve_path, validate
 from mbd.eval.benchmarks import Problem, ScoreResult, get_benchmark
@@ -48,6 +47,7 @@ from mbd.eval.sweep import (
     plan_units,
     score_completion,
 )
+from mbd.progress import ProgressLine
 from pipelines.ray_session import init_ray, ray_session
 from pipelines.sweep_pool import DecoderPool
 
@@ -96,18 +96,27 @@ def _run_local(cfg: SweepConfig, stage: StagedOutput, progress: bool) -> SweepSu
             init_ray()
         pool = DecoderPool(cfg, len(units), cfg.reserve_timeout_s)
         rows = len(cfg.pairs())
-        bars = {}
-        for pos, b in enumerate(problems):
-            todo = sum(len(u.problems) for u in units if u.cell.benchmark == b)
-            bars[b] = tqdm(total=rows * len(problems[b]), initial=rows * len(problems[b]) - todo, desc=b,
-                           position=pos, disable=not progress, file=sys.stderr)
+        total = rows * sum(len(p) for p in problems.values())
+        line = ProgressLine("sweep problems", total, total - sum(len(u.problems) for u in units), show=progress)
         try:
-            decoded = _Dispatch(cfg, WorkQueue(units), pool, store, bars, stage).run()
+            decoded = _Dispatch(cfg, WorkQueue(units), pool, store, _Accuracy(line), stage).run()
         finally:
             pool.close()
-            for bar in bars.values():
-                bar.close()
+            line.close()
     return write_sweep_report(cfg, problems, decoded, skipped, time.perf_counter() - t0)
+
+
+class _Accuracy:
+    """The sweep's progress line: problems scored (stored ones included) and, per benchmark, the accuracy of
+    the problems scored in this run."""
+
+    def __init__(self, line: ProgressLine):
+        self.line, self.counts = line, {}
+
+    def scored(self, benchmark: str, correct: bool) -> None:
+        right, n = self.counts.get(benchmark, (0, 0))
+        self.counts[benchmark] = (right + correct, n + 1)
+        self.line.update(1, accuracy=" ".join(f"{b} {100 * r / n:.1f}%" for b, (r, n) in self.counts.items()))
 
 
 class _Dispatch:
@@ -119,8 +128,9 @@ class _Dispatch:
     before the loss is only scored again, not decoded again."""
 
     def __init__(self, cfg: SweepConfig, queue: WorkQueue, pool: DecoderPool, store: ResultStore,
-                 bars: dict[str, tqdm], stage: StagedOutput):
-        self.cfg, self.queue, self.pool, self.store, self.bars, self.stage = cfg, queue, pool, store, bars, stage
+                 progress: _Accuracy, stage: StagedOutput):
+        self.cfg, self.queue, self.pool, self.store, self.stage = cfg, queue, pool, store, stage
+        self.progress = progress
         self.inflight: dict[ray.ObjectRef, tuple] = {}
         self.problem_refs: dict[tuple[str, str], ray.ObjectRef] = {}
         self.decoded = self.losses = 0
@@ -152,7 +162,7 @@ class _Dispatch:
                 _, cell, problem, d = what
                 self.store.append(make_record(cell.model.name, cell.decode.name, cell.benchmark, problem,
                                               d.model_copy(update={"trace": None}), value))
-                self.bars[cell.benchmark].update(1)
+                self.progress.scored(cell.benchmark, value.correct)
                 self.stage.push(every_s=SYNC_S)
         return self.decoded
 
@@ -215,7 +225,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="override a field, e.g. --set workers=2 --set scorers=1")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from stored records; no Ray")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in job logs)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no redrawn progress line: a full one every 30 s (e.g. in job logs)")
     ap.add_argument("--unsafe-code-exec", action="store_true",
                     help="score code benchmarks even where kernel isolation (bubblewrap) is unavailable, with "
                          "Python-level guards only: model-written code could then read and change this machine")

@@ -4,8 +4,8 @@
     ray job submit --working-dir . -- python -m pipelines.train_multitf --config configs/train/x.yaml
 
 Driver (`run_train`): validates the config, prepares the data (Ray Data Parquet dataset, or the tokenized
-JSONL corpus in the object store for on-the-fly expansion), starts a `TorchTrainer`, shows a progress bar
-fed by a small progress actor, and copies the final checkpoint's HF model to the export directory.
+JSONL corpus in the object store for on-the-fly expansion), starts a `TorchTrainer`, shows the progress line
+(pipelines/train_progress.py), and copies the final checkpoint's HF model to the export directory.
 
 Worker (`train_loop`): every worker calls `deepspeed.initialize` (ZeRO 2 or 3) on Ray Train's process
 group (gloo on CPU, NCCL on GPU) with a plain torch AdamW and warm-up + cosine LambdaLR, so no compiled
@@ -24,7 +24,9 @@ not replayable: a resumed run starts a fresh pass over the shards, with the nois
 
 Step metrics (rank 0, all-reduced over workers): loss, ce/<layout kind>, ce/slot<i> (slot inside the
 noise-group), masked_tokens, tokens_per_s (tokens of both streams, batch padding excluded), lr; `probe_loss` (the
-objective on a fixed batch of training rows) at step 0 and at every checkpoint.
+objective on a fixed batch of training rows) at step 0 and at every checkpoint, step_s and mfu (model FLOPs,
+`mbd.flops`, over the workers' measured matrix rate). Every step's metrics go to `ray.train.report` (Ray Train's
+result and dashboard; at checkpoints with the checkpoint) and to the driver's progress line.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from mbd import storage
 from mbd.checkpoint_files import read_model_config
 from mbd.config import ConfigError, ModelConfig, load_yaml
+from mbd.flops import matmul_rate, train_flops_per_token
 from mbd.hub import resolve_model
 from mbd.multitf.batching import Batch, OnTheFlyRows, StepSampler, collate, rows_to_columns
 from mbd.multitf.objectives import compute_objective, loss_stats, stats_metrics, stats_size
@@ -59,10 +62,10 @@ from mbd.multitf.rows import TokenizedSequence, redraw_columns
 from mbd.plan_check import check_train
 from mbd.train_config import TrainConfig
 from pipelines.ray_session import init_ray, ray_session
+from pipelines.train_progress import Progress, follow, one_time_note
 
 __all__ = ["run_train", "TrainSummary", "main"]  # what other pipelines may use
 
-POLL_S = 0.5
 SHUFFLE_BUFFER_ROWS = 4096  # rows each worker draws its Parquet micro-batches from at random
 
 
@@ -75,20 +78,6 @@ class TrainSummary(BaseModel):
     history: list[dict[str, float]]  # rank-0 step metrics in the order they happened (restarts included)
     wall_s: float
     skipped_records: dict[str, int]  # records left out, per reason (as `mbd expand`'s quarantine; too_long included)
-
-
-@ray.remote(num_cpus=0)
-class Progress:
-    """Step metrics pushed by rank 0 (fire-and-forget) and polled by the driver's progress bar."""
-
-    def __init__(self) -> None:
-        self.history: list[dict[str, float]] = []
-
-    def log(self, metrics: dict[str, float]) -> None:
-        self.history.append(metrics)
-
-    def since(self, n: int) -> list[dict[str, float]]:
-        return self.history[n:]
 
 
 # ---------------------------------------------------------------- worker side
@@ -260,7 +249,7 @@ def train_step(engine, batches: Iterator[Batch], cfg: TrainConfig, mcfg: ModelCo
 
 def train_loop(config: dict[str, Any]) -> None:
     """Ray Train's worker function: steps from the last checkpoint (or 0) to cfg.steps, checkpointing every
-    checkpoint_every steps; rank 0 sends each step's metrics to the progress actor."""
+    checkpoint_every steps; every step's metrics go to Ray Train and (rank 0) to the progress actor."""
     cfg = TrainConfig.model_validate(config["cfg"])
     engine, mcfg, device = init_engine(cfg)
     rank = ray.train.get_context().get_world_rank()
@@ -274,15 +263,21 @@ def train_loop(config: dict[str, Any]) -> None:
             return float(compute_objective(engine, probe, cfg.objective, mcfg.mask_token_id).loss)
 
     batches = worker_batches(config, cfg, mcfg, device, start)
+    dtype = torch.bfloat16 if cfg.deepspeed.use_bf16(cfg.use_gpu) else torch.float32
+    peak = matmul_rate(device.type, dtype) * ray.train.get_context().get_world_size()
+    flops_per_token = train_flops_per_token(engine.module)
     if start == 0:
         initial = probe_loss()
         if rank == 0:
             progress.log.remote({"step": 0, "probe_loss": initial})
     for step in range(start + 1, cfg.steps + 1):
         metrics = train_step(engine, batches, cfg, mcfg, device, step)
+        metrics["mfu"] = flops_per_token * metrics["tokens_per_s"] / peak
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             metrics["probe_loss"] = probe_loss()
             save_training_checkpoint(engine, cfg, mcfg, step, rank, metrics)
+        else:
+            ray.train.report(metrics)
         if rank == 0:
             progress.log.remote(metrics)
 
@@ -360,37 +355,6 @@ def build_trainer(cfg: TrainConfig, config: dict[str, Any], datasets: dict):
                         datasets=datasets or None)
 
 
-def follow(progress, fit_thread: threading.Thread, total: int, name: str, show: bool) -> list[dict[str, float]]:
-    """Poll the progress actor until the fit thread ends; drive a tqdm bar in the driver."""
-    from tqdm import tqdm
-
-    history: list[dict[str, float]] = []
-    bar = tqdm(total=total, desc=f"train {name}", unit="step", disable=not show, dynamic_ncols=True)
-    while True:
-        alive = fit_thread.is_alive()
-        new = ray.get(progress.since.remote(len(history)))
-        history += new
-        for m in new:
-            bar.n = int(m["step"])
-            post = {k: f"{m[k]:.4g}" for k in ("loss", "probe_loss", "tokens_per_s", "lr") if k in m}
-            bar.set_postfix(post, refresh=False)
-        if new:
-            bar.refresh()
-        if not alive:
-            break
-        time.sleep(POLL_S)
-    bar.close()
-    return history
-
-
-def one_time_note(cfg: TrainConfig) -> str:
-    """Why the first step takes a while (a minute or more on CPU), said before the bar stands still."""
-    op = ("; on the first run on this machine DeepSpeed also compiles its CPU op deepspeed_shm_comm (about a "
-          "minute, cached in ~/.cache/torch_extensions)") if not cfg.use_gpu else ""
-    return (f"    the first step waits for one-time work: {cfg.num_workers} worker(s) start, load the model and "
-            f"initialise DeepSpeed{op}")
-
-
 def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:
     """Run (or resume) a training run on the current Ray cluster (`init_ray` if none is connected)."""
     from pipelines.export import export_checkpoint
@@ -447,7 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="YAML TrainConfig (configs/train/*.yaml)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, e.g. --set steps=10 --set deepspeed.zero_stage=3")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar (log-friendly)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no redrawn progress line: a full one every 30 s (log-friendly)")
     args = ap.parse_args(argv)
     try:
         cfg = load_yaml(args.config, TrainConfig, sets=args.overrides)

@@ -8,6 +8,7 @@ The decoder streams the engine's `StepOutput`s (committed token ids); a `Choice`
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
@@ -45,6 +46,7 @@ class Choice:
         self.rid, self.index, self.prompt, self.text, self.trace = rid, index, prompt, text, trace
         self.outputs, self.cancel = outputs, cancel
         self.first = self.last = first
+        self.t_first = time.perf_counter()  # its first output arrived (made just after): time to first token
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.sent = 0  # tokens already reported in pieces

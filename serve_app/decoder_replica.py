@@ -23,8 +23,11 @@ class Decoder(EngineHost):
     process (a restart in progress keeps the replica, its loaded configuration and its waiting requests)."""
 
     def __init__(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, restarts: EngineRestarts):
-        self.metrics = DecoderMetrics()
-        super().__init__(spec, decode, engine, restarts, on_step=self.metrics.update)
+        self.metrics = DecoderMetrics(spec.name)
+        super().__init__(spec, decode, engine, restarts, on_step=self._on_step)
+
+    def _on_step(self, stats: dict[str, float]) -> None:
+        self.metrics.update(stats | {"engine_restarts": self.counts.restarts, "quarantined": self.counts.quarantined})
 
     def check_health(self) -> None:
         self.check()

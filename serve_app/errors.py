@@ -48,15 +48,15 @@ class BodyLimit:
     """ASGI middleware: a request body over `limit` bytes is answered 413 before it is parsed (by its
     Content-Length, or while a chunked body is read)."""
 
-    def __init__(self, inner: Any, limit: int):
-        self.inner, self.limit = inner, limit
+    def __init__(self, inner: Any, limit: int, metrics: IngressMetrics | None):
+        self.inner, self.limit, self.metrics = inner, limit, metrics
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.inner(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.limit:
-            return await self._too_large().response()(scope, receive, send)
+            return await _answer(self._too_large(), self.metrics)(scope, receive, send)
         seen = 0
 
         async def counted() -> dict:
@@ -100,31 +100,40 @@ class AuthAndCount:
                 if not hmac.compare_digest(given, self.expected):
                     err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                    None, "authentication_error", "invalid_api_key")
-                    return await err.response()(scope, receive, counted)
+                    return await _answer(err, self.metrics)(scope, receive, counted)
             await self.inner(scope, receive, counted)
         finally:
             if self.metrics is not None:
                 self.metrics.request(next((e for e in ENDPOINTS if path.endswith(e)), "other"), status)
 
 
-async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
+def _answer(err: APIError, metrics: IngressMetrics | None) -> JSONResponse:
+    """The error's response, a 4xx counted by the field it names (`mbd_requests_refused`)."""
+    if metrics is not None:
+        metrics.refusal(err.status, err.param)
+    return err.response()
 
 
-async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return from_validation_error(exc).response()
-
-
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+def _http_error(exc: StarletteHTTPException) -> APIError:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), "body" if exc.status_code == 413 else None, kind).response()
+    return APIError(exc.status_code, str(exc.detail), "body" if exc.status_code == 413 else None, kind)
 
 
 def install(app: FastAPI, api_key: str | None, max_body_bytes: int, metrics: IngressMetrics | None) -> None:
     """The error handlers and middlewares of one application. Ray Serve's own 503 (overload) handler is never
     reached: the ingress turns every refusal by the decoder into an APIError where it makes the call."""
-    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
-    app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _answer(exc, metrics)
+
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _answer(from_validation_error(exc), metrics)
+
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _answer(_http_error(exc), metrics)
+
+    app.add_exception_handler(APIError, api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_middleware(BodyLimit, limit=max_body_bytes, metrics=metrics)
     app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics)  # outermost: runs first

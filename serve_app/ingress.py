@@ -85,7 +85,7 @@ class OpenAIIngress:
         self.tok = Tokenizer.from_dir(path, read_model_config(path))
         self.convert = RequestConverter(cfg, self.tok)
         self.name = cfg.model.name
-        self.metrics = IngressMetrics()
+        self.metrics = IngressMetrics(self.name)
         self.trace = Trace("ingress")
         # tokenization and detokenization run here, so that one huge prompt cannot stall the event loop
         self.pool = ThreadPoolExecutor(cfg.ingress.tokenizer_threads, thread_name_prefix="mbd-tokenize")
@@ -303,9 +303,11 @@ class OpenAIIngress:
                                        lambda: self._record(choices, prompts, t0), heads))
 
     def _record(self, choices: list[Choice], prompts: list[list[int]], t0: float) -> None:
-        u = usage(prompts, choices)
-        self.metrics.finished(u.prompt_tokens, u.completion_tokens, sum(c.last.nfe for c in choices),
-                              (time.perf_counter() - t0) * 1e3)
+        u, t = usage(prompts, choices), time.perf_counter()
+        first = min(c.t_first for c in choices)
+        later = sum(max(0, c.last.num_generated - len(c.first.new_token_ids)) for c in choices)
+        self.metrics.finished(u.prompt_tokens, u.completion_tokens, sum(c.last.nfe for c in choices), first - t0,
+                              t - t0, later)
 
     def _text(self, token_id: int) -> str:
         return self.tok.decode([token_id], skip_special_tokens=False)

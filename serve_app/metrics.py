@@ -1,58 +1,128 @@
-"""Service metrics through `ray.serve.metrics` (exported by Ray's Prometheus endpoint with the deployment,
-replica and application tags Serve adds). Created inside replicas: metric objects need a running Ray worker."""
+"""Service metrics through `ray.serve.metrics`, under the names Ray Serve LLM users chart (vLLM's, with the `mbd_`
+prefix) plus the Block Buffer's own. Ray's exporter prefixes `ray_` and Serve adds the deployment, replica and
+application tags; every metric here also carries `model_name`. Created inside replicas: metric objects need a
+running Ray worker. docs/serving.md lists the names as the scrape shows them."""
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-LATENCY_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000]
+LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+TOKEN_LATENCY_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
 TPF = [0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128]
+NFE = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+MODEL = ("model_name",)
+
+
+def _named(metric: Any, model: str) -> Any:
+    metric.set_default_tags({"model_name": model})
+    return metric
+
+
+def _inc(counter: Counter, n: float, tags: dict[str, str] | None = None) -> None:
+    if n > 0:  # Ray counters refuse inc(0)
+        counter.inc(n, tags=tags)
+
+
+def field_tag(param: str | None) -> str:
+    """The refused field as a bounded tag value: indices dropped (`messages[3].role` -> `messages[].role`)."""
+    return re.sub(r"\[\d+\]", "[]", param) if param else "none"
 
 
 class IngressMetrics:
-    """Per HTTP request: outcome, tokens, NFE, TPF, time to first committed block, end-to-end latency."""
+    """Per HTTP request: status by endpoint, refusals by field, and per completed request its tokens (vLLM's
+    `prompt_tokens` / `generation_tokens`), latencies and the diffusion side (TPF, NFE)."""
 
-    def __init__(self) -> None:
-        self.requests = Counter("mbd_requests", "HTTP requests by endpoint and status code",
-                                tag_keys=("endpoint", "status"))
-        self.prompt_tokens = Counter("mbd_prompt_tokens", "prompt tokens of completed requests")
-        self.completion_tokens = Counter("mbd_completion_tokens", "generated tokens of completed requests")
-        self.nfe = Counter("mbd_nfe", "model forward passes (NFE) spent on completed requests")
-        self.tpf = Histogram("mbd_tpf", "tokens per forward (TPF) per request", boundaries=TPF)
-        self.ttfb = Histogram("mbd_time_to_first_block_ms", "request arrival to first committed block",
-                              boundaries=LATENCY_MS)
-        self.e2e = Histogram("mbd_e2e_latency_ms", "request arrival to last byte", boundaries=LATENCY_MS)
+    def __init__(self, model: str) -> None:
+        def counter(name: str, doc: str, tags: tuple[str, ...] = ()) -> Counter:
+            return _named(Counter(name, doc, tag_keys=MODEL + tags), model)
+
+        def histogram(name: str, doc: str, bounds: list[float]) -> Histogram:
+            return _named(Histogram(name, doc, boundaries=bounds, tag_keys=MODEL), model)
+
+        self.requests = counter("mbd_http_requests", "HTTP requests by endpoint and status code",
+                                ("endpoint", "status"))
+        self.refused = counter("mbd_requests_refused", "4xx answers by status and the request field they name",
+                               ("status", "field"))
+        self.prompt_tokens = counter("mbd_prompt_tokens", "prompt tokens of completed requests")
+        self.generation_tokens = counter("mbd_generation_tokens", "generated tokens of completed requests")
+        self.ttft = histogram("mbd_time_to_first_token_seconds", "arrival to the first committed tokens reaching "
+                              "the ingress (a non-streamed request gets them all at once)", LATENCY_S)
+        self.itl = histogram("mbd_inter_token_latency_seconds", "per request: time after the first tokens / the "
+                             "tokens that followed them", TOKEN_LATENCY_S)
+        self.e2e = histogram("mbd_e2e_request_latency_seconds", "arrival to the last token", LATENCY_S)
+        self.tpf = histogram("mbd_tokens_per_forward", "tokens per forward (TPF) of a request", TPF)
+        self.nfe = histogram("mbd_forwards_per_request", "model forwards (NFE) of a request", NFE)
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.inc(tags={"endpoint": endpoint, "status": str(status)})
 
-    def finished(self, prompt_tokens: int, completion_tokens: int, nfe: int, e2e_ms: float) -> None:
-        for counter, n in ((self.prompt_tokens, prompt_tokens), (self.completion_tokens, completion_tokens),
-                           (self.nfe, nfe)):
-            if n > 0:  # Ray counters refuse inc(0)
-                counter.inc(n)
+    def refusal(self, status: int, param: str | None) -> None:
+        if 400 <= status < 500:
+            self.refused.inc(tags={"status": str(status), "field": field_tag(param)})
+
+    def finished(self, prompt_tokens: int, generation_tokens: int, nfe: int, ttft_s: float, e2e_s: float,
+                 later_tokens: int) -> None:
+        """One completed request (all its choices): `later_tokens` arrived after the first ones, over e2e - ttft."""
+        _inc(self.prompt_tokens, prompt_tokens)
+        _inc(self.generation_tokens, generation_tokens)
+        self.ttft.observe(ttft_s)
+        self.e2e.observe(e2e_s)
+        if later_tokens > 0:
+            self.itl.observe((e2e_s - ttft_s) / later_tokens)
         if nfe:
-            self.tpf.observe(completion_tokens / nfe)
-        self.e2e.observe(e2e_ms)
+            self.tpf.observe(generation_tokens / nfe)
+            self.nfe.observe(nfe)
 
 
 class DecoderMetrics:
-    """Per replica: requests inside the engine (decoding or waiting for a slot), the KV page pool, the prefix
-    cache and preemptions (from `actors.engine_process.engine_stats`, refreshed as the engine steps)."""
+    """Per replica, from `actors.engine_process.engine_stats` as the engine steps (at most every ON_STEP_S) and
+    the host's restart counts: vLLM's running / waiting / KV use / preemptions / prefix-cache counters, and the
+    Block Buffer's active blocks per forward, buffer occupancy and the structured-output share of a step, each
+    over the interval since the previous report."""
 
-    def __init__(self) -> None:
-        self.queue_length = Gauge("mbd_engine_requests", "requests in this replica's engine (running + waiting)")
-        self.pages_used = Gauge("mbd_kv_pages_used", "KV cache pages held by requests")
-        self.pages_free = Gauge("mbd_kv_pages_free", "KV cache pages free or holding an evictable cached prefix")
-        self.hit_rate = Gauge("mbd_prefix_cache_hit_rate", "share of admitted prompt tokens served from cached pages")
-        self.preemptions = Counter("mbd_preemptions", "requests preempted because the KV page pool ran out")
-        self._preempted = 0
+    COUNTED = {"preemptions": "preemptions", "prefix_query_tokens": "prefix_queries",
+               "prefix_hit_tokens": "prefix_hits", "engine_restarts": "restarts", "quarantined": "quarantined"}
+
+    def __init__(self, model: str) -> None:
+        def gauge(name: str, doc: str) -> Gauge:
+            return _named(Gauge(name, doc, tag_keys=MODEL), model)
+
+        def counter(name: str, doc: str) -> Counter:
+            return _named(Counter(name, doc, tag_keys=MODEL), model)
+
+        self.running = gauge("mbd_num_requests_running", "requests holding a batch row (prefilling or decoding)")
+        self.waiting = gauge("mbd_num_requests_waiting", "requests queued in the engine for a batch row")
+        self.kv_usage = gauge("mbd_kv_cache_usage_perc", "share of the KV page pool held by requests (0..1)")
+        self.active = gauge("mbd_active_blocks_per_forward", "ACTIVE blocks a decode forward predicts, summed "
+                            "over its rows")
+        self.occupancy = gauge("mbd_block_buffer_occupancy", "resident blocks / Block Buffer slots of the "
+                               "decoding rows (0..1)")
+        self.guided = gauge("mbd_structured_output_step_share", "share of decode-step time spent in grammar "
+                            "matchers (0..1)")
+        self.preemptions = counter("mbd_num_preemptions", "requests preempted because the KV page pool ran out")
+        self.prefix_queries = counter("mbd_prefix_cache_queries", "prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("mbd_prefix_cache_hits", "of those, tokens served from cached pages")
+        self.restarts = counter("mbd_engine_restarts", "engine processes restarted after an exit")
+        self.quarantined = counter("mbd_requests_quarantined", "requests failed as suspects of engine exits")
+        self._last: dict[str, float] = {}
 
     def update(self, stats: dict[str, float]) -> None:
-        self.queue_length.set(stats["in_engine"])
-        self.pages_used.set(stats["kv_pages_used"])
-        self.pages_free.set(stats["kv_pages_free"])
-        self.hit_rate.set(stats["prefix_hit_rate"])
-        if stats["preemptions"] > self._preempted:  # Ray counters refuse inc(0)
-            self.preemptions.inc(stats["preemptions"] - self._preempted)
-            self._preempted = int(stats["preemptions"])
+        self.running.set(stats["running"])
+        self.waiting.set(stats["waiting"])
+        self.kv_usage.set(stats["kv_pages_used"] / max(stats["kv_pages"], 1))
+        d = {k: v - self._last.get(k, 0.0) for k, v in stats.items()}
+        if self._last.get("engine_pid") != stats["engine_pid"]:  # a new engine process counts from zero again
+            d.update({k: stats[k] for k in ("steps", "step_s", "grammar_s", "decode_rows", "active_blocks",
+                                            "resident_blocks", "preemptions", "prefix_query_tokens",
+                                            "prefix_hit_tokens")})
+        if d["steps"] > 0:
+            self.active.set(d["active_blocks"] / d["steps"])
+            self.occupancy.set(d["resident_blocks"] / max(d["decode_rows"] * stats["buffer_size"], 1))
+            self.guided.set(d["grammar_s"] / d["step_s"] if d["step_s"] > 0 else 0.0)
+        for key, attr in self.COUNTED.items():
+            _inc(getattr(self, attr), d[key])
+        self._last = dict(stats)

@@ -173,6 +173,8 @@ class Engine:
         B = self.block
         self.stats.positions_run += batch.rows * batch.slots * B
         self.stats.resident_positions += B * sum(r.n_res for r in batch.requests)
+        self.stats.decode_rows += len(batch.requests)
+        self.stats.active_blocks += sum(r.n_res - r.n_tc for r in batch.requests)
         self.stats.logit_rows += batch.rows * batch.active * B
         outs = [self._advance(req, rows[req.row], batch.slots) for req in batch.requests]
         for req in batch.requests:

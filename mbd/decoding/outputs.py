@@ -64,6 +64,8 @@ class EngineStats:
     prefix_query_tokens: int = 0  # block-aligned prompt tokens looked up in the prefix cache at admission
     prefix_hit_tokens: int = 0  # of those, tokens whose K/V came from cached pages (their prefill was skipped)
     preemptions: int = 0  # requests sent back to the queue because the KV page pool ran out
+    decode_rows: int = 0  # decoding requests summed over decode steps (padding rows excluded)
+    active_blocks: int = 0  # ACTIVE (predicted) blocks summed over the decoding requests of decode steps
 
     @property
     def prefix_hit_rate(self) -> float:
