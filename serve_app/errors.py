@@ -117,7 +117,8 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), "body" if exc.status_code == 413 else None, kind).response()
+    return APIError(exc.status_code, str(exc.detail), "body" if exc.status_code == 413 else None, kind,
+                    headers=exc.headers).response()  # a 405's Allow header among them
 
 
 def install(app: FastAPI, api_key: str | None, max_body_bytes: int, metrics: IngressMetrics | None) -> None:

@@ -1,17 +1,16 @@
 """The FastAPI application of one ingress replica: the OpenAI routes bound to that replica, its error handling
 and middlewares (serve_app/errors.py), and an OpenAPI document that lists the status codes we really send."""
 
-from __future__ import annotations
-
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 
+from mbd.config import ModelConfig, read_json
 from serve_app import errors
 from serve_app.errors import RESPONSES
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from serve_app.protocol import Bounds, ModelList, deployment_models
 
 if TYPE_CHECKING:
     from serve_app.ingress import OpenAIIngress
@@ -30,7 +29,18 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
+def bounds(ing: "OpenAIIngress") -> Bounds:
+    """The deployment's bounds on requests: its serve config and its model's config.json."""
+    cfg = ing.cfg
+    model = ModelConfig.from_hf(read_json(cfg.model.resolved_path() / "config.json"))
+    return Bounds(model=cfg.model.name, max_tokens=cfg.decode.max_new_tokens, buffer_size=cfg.decode.buffer_size,
+                  max_temperature=cfg.limits.max_temperature, max_choices=cfg.limits.max_choices,
+                  vocab_size=model.vocab_size, mask_id=model.mask_token_id)
+
+
 def http_app(ing: "OpenAIIngress", api_key: str | None) -> FastAPI:
+    # the request models are this deployment's (annotations are evaluated here, so they can be local names)
+    CompletionRequest, ChatCompletionRequest = deployment_models(bounds(ing))
     app = FastAPI(title="mbd-lm", description="OpenAI-compatible API for Multi-Block Diffusion LMs")
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     errors.install(app, api_key, ing.cfg.http.max_body_bytes, ing.metrics)
