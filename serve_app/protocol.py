@@ -4,7 +4,7 @@ Requests are strict: wrong types are not coerced and unknown fields are rejected
 something we do not do hears about it instead of getting silently different output. Every value rule a field
 has is written on its model here, so the OpenAPI schema states it and the same model enforces it (a 400 naming
 the field): fields OpenAI has whose values we cannot all honour are narrowed to those we can (`echo` only false,
-penalties only 0, content parts only text). `deployment_models` narrows them further to one deployment's
+penalties only 0, content parts only text). `serve_app.routes.deployment_models` narrows them further to one deployment's
 bounds. What a schema cannot state (rules across fields, a prompt's length in tokens, a grammar that must
 compile) is checked by the ingress and listed in the schema's text (docs/serving.md, "The API schema").
 The MultiBD knobs (buffer_size and the tau_* thresholds) are extra top-level fields (`extra_body` in the
@@ -21,12 +21,13 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
+
+from serve_app.schema_rules import PROMPT_RULE, SHARED_CHECKS, Int, Seed, needs, server_checks
 
 Unit = Field(default=None, ge=0.0, le=1.0)
 
@@ -42,19 +43,8 @@ def _unicode(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_unicode)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
-def _integral(value: Any) -> Any:
-    """JSON Schema's integer: a number with no fraction (so 2.0 is one), never a bool or a string."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def Int(**bounds: Any) -> Any:
-    """An integer field type with its bounds (on the type, so that the JSON schema states them)."""
-    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
-
-
-# an unsigned 32-bit seed (numpy's range; seed + k for choice k is still one torch accepts): bounds far from
-# 2**63 also stay exact in the doubles schema tools compute with
-Seed = Int(ge=0, le=2**32 - 1)
 ZERO_ONLY = "only 0 (no penalty): a diffusion LM decodes blocks in parallel, so no token history penalty applies"
 
 
@@ -104,42 +94,6 @@ def prompt_type(token_id: Any = Int(ge=0), max_prompts: int | None = None) -> An
     ids = Annotated[list[token_id], Field(min_length=1)]
     return NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=max_prompts)] | ids | \
         Annotated[list[ids], Field(min_length=1, max_length=max_prompts)]
-
-
-# What the server checks that a JSON schema cannot state (rules across fields, lengths in tokens, grammars that
-# must compile), by the field its 400 names (`error.param` starts with it); the schema lists them under
-# x-server-checks, so a client (or a schema-driven fuzzer) knows which refusals a valid body may still get.
-CONSTRAINT_RULE = ("one structured-output constraint per request (response_format, structured_outputs or one "
-                   "guided_* field), and it must compile against the model's vocabulary")
-SHARED_CHECKS = {
-    "max_tokens": "the prompt's tokens + max_tokens fit the context (max_model_len in GET /v1/models; code "
-                  "context_length_exceeded) and the KV page pool",
-    "n": "prompts x n <= the deployment's limits.max_choices",
-    "buffer_size": "above 1 needs tau_add (the request's or the deployment's)",
-    **{f: CONSTRAINT_RULE for f in ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                                     "guided_choice", "guided_grammar")},
-}
-PROMPT_RULE = ("in tokens, shorter than the context (max_model_len in GET /v1/models; code context_length_exceeded) "
-               "and not empty; text spells no token the decoder reserves (the mask token)")
-
-
-
-
-def _needs(field: str, when: dict[str, Any], value: Any) -> dict[str, Any]:
-    """JSON Schema for "`field` must be `value` when the body matches `when`" (the ingress checks it)."""
-    return {"if": when, "then": {"properties": {field: {"const": value}}, "required": [field]}}
-
-
-PROVISIONAL_NEEDS_STREAM = _needs("stream", {"properties": {"stream_options": {
-    "type": "object", "properties": {"include_provisional": {"const": True}}, "required": ["include_provisional"]}},
-    "required": ["stream_options"]}, True)
-
-
-def server_checks(*rules_across_fields: dict[str, Any], **rules: str) -> ConfigDict:
-    """The request model's config: strict, and its schema listing the server's checks (`x-server-checks`) and
-    the rules across fields that JSON Schema can state (`allOf`)."""
-    extra = {"x-server-checks": SHARED_CHECKS | rules, "allOf": [PROVISIONAL_NEEDS_STREAM, *rules_across_fields]}
-    return ConfigDict(extra="forbid", strict=True, json_schema_extra=extra)
 
 
 class SamplingFields(StrictRequest):
@@ -219,7 +173,7 @@ class ChatMessage(StrictRequest):
 
 
 class ChatCompletionRequest(SamplingFields):
-    model_config = server_checks(_needs("logprobs", {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+    model_config = server_checks(needs("logprobs", {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
                                                      "required": ["top_logprobs"]}, True),
                                  messages=f"the chat-rendered prompt: {PROMPT_RULE}",
                                  max_tokens=f"{SHARED_CHECKS['max_tokens']}; equal to max_completion_tokens when both "
@@ -239,42 +193,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def top_count(self) -> int:
         return self.top_logprobs or 0
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """One deployment's bounds on a request, known when its app is built (serve_app/routes.py): the model it
-    serves, its decode config's max_new_tokens and buffer_size, its request limits and the model's vocabulary
-    (`mask_id` is inside it but reserved by the decoder)."""
-
-    model: str
-    max_tokens: int
-    buffer_size: int
-    max_temperature: float
-    max_choices: int
-    vocab_size: int
-    mask_id: int
-
-
-def deployment_models(b: Bounds) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
-    """The request models of one deployment: the shared fields bounded by `b`, so that its OpenAPI schema says
-    what it accepts and validation enforces the same bounds. `model` is listed, not checked here: another
-    model's name is a 404 (`RequestConverter.check_model`), as OpenAI answers it."""
-    token_id = Int(ge=0, lt=b.vocab_size, json_schema_extra={"not": {"const": b.mask_id}})
-    limit = (Int(ge=1, le=b.max_tokens) | None, Field(default=None, description="at most decode.max_new_tokens; "
-                                                                           "the prompt and these must fit the context"))
-    shared: dict[str, Any] = {
-        "model": (str, Field(json_schema_extra={"enum": [b.model]})),
-        "max_tokens": limit,
-        "temperature": (Annotated[float, Field(ge=0.0, le=b.max_temperature)] | None, None),
-        "n": (Int(ge=1, le=b.max_choices), Field(default=1, description="prompts x n <= limits.max_choices")),
-        "buffer_size": (Int(ge=1, le=b.buffer_size) | None, None),
-    }
-    completion = create_model("CompletionRequest", __base__=CompletionRequest, **shared,
-                              prompt=(prompt_type(token_id, b.max_choices), ...))
-    chat = create_model("ChatCompletionRequest", __base__=ChatCompletionRequest, **shared,
-                        max_completion_tokens=limit)
-    return completion, chat
 
 
 # ---- responses (plain models; built by the server, never parsed from clients) ----

@@ -73,7 +73,6 @@ def fuzz(spec: dict, path: str, http: httpx.Client, examples: int = EXAMPLES) ->
     found: list[str] = []
     seen = {True: 0, False: 0}
     served = {True: 0, False: 0}
-    refusals: dict[str, int] = {}
     def run(positive: bool) -> None:
         mode = GenerationMode.POSITIVE if positive else GenerationMode.NEGATIVE
 
@@ -87,9 +86,6 @@ def fuzz(spec: dict, path: str, http: httpx.Client, examples: int = EXAMPLES) ->
             json = r.headers.get("content-type", "").startswith("application/json")
             seen[positive] += 1
             served[positive] += r.status_code == 200
-            if positive and r.status_code != 200:
-                p = (r.json().get("error") or {}).get("param") if json else None
-                refusals[str(p)] = refusals.get(str(p), 0) + 1
             why = mismatch(positive, r.status_code, r.json().get("error") if json else None, checks)
             if why:
                 found.append(f"{why}: {case.body!r:.300} -> {r.text[:300]}")
@@ -98,8 +94,8 @@ def fuzz(spec: dict, path: str, http: httpx.Client, examples: int = EXAMPLES) ->
 
     run(True)
     run(False)
-    print(path, "seen", seen, "served", served, "positive refusals", refusals)
     assert seen[True] >= examples // 2 and seen[False] >= examples // 2, seen
+    assert served[True] >= seen[True] // 4, served  # most valid bodies are served, not refused by a listed rule
     assert not found, "\n".join(found[:10]) + f"\n({len(found)} mismatches)"
 
 
