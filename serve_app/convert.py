@@ -1,9 +1,10 @@
 """Request conversion: an OpenAI request becomes prompt token ids and one `DecodeConfig` per engine request.
 
-This is where a request enters, so it is checked here, once, in HTTP names: the checks only the HTTP layer can
-make (which model the request names, fields OpenAI has and a diffusion LM cannot honour, this deployment's
-bounds on max_tokens, temperature and choices), then the engine's own rules (`mbd.decoding.validate`, against
-the limits a decoder replica reports). A structured-output constraint is parsed here into its `ConstraintSpec`
+This is where a request enters, so it is checked here, once, in HTTP names. What a field may hold (values a
+diffusion LM cannot honour, this deployment's bounds) is the request model's, stated by the OpenAPI schema
+(serve_app/protocol.py, serve_app/routes.py); here come the checks a schema cannot state (`x-server-checks`):
+which model the request names, rules across fields, then the engine's own rules (`mbd.decoding.validate`,
+against the limits a decoder replica reports). A structured-output constraint is parsed here into its `ConstraintSpec`
 (naming the field it came from) and compiled by the engine that serves it, once; what the engine cannot honour
 comes back as a 400 naming that field before any byte of the answer is sent.
 """
