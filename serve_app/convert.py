@@ -1,9 +1,10 @@
 """Request conversion: an OpenAI request becomes prompt token ids and one `DecodeConfig` per engine request.
 
-This is where a request enters, so it is checked here, once, in HTTP names: the checks only the HTTP layer can
-make (which model the request names, fields OpenAI has and a diffusion LM cannot honour, this deployment's
-bounds on max_tokens, temperature and choices), then the engine's own rules (`mbd.decoding.validate`, against
-the limits a decoder replica reports). A structured-output constraint is parsed here into its `ConstraintSpec`
+This is where a request enters, so it is checked here, once, in HTTP names. What a field may hold (values a
+diffusion LM cannot honour, this deployment's bounds) is the request model's, stated by the OpenAPI schema
+(serve_app/protocol.py, serve_app/routes.py); here come the checks a schema cannot state (`x-server-checks`):
+which model the request names, rules across fields, then the engine's own rules (`mbd.decoding.validate`,
+against the limits a decoder replica reports). A structured-output constraint is parsed here into its `ConstraintSpec`
 (naming the field it came from) and compiled by the engine that serves it, once; what the engine cannot honour
 comes back as a 400 naming that field before any byte of the answer is sent.
 """
@@ -39,8 +40,6 @@ class RequestConverter:
 
     def check_completion(self, req: CompletionRequest) -> None:
         self.check_model(req)
-        if req.echo:
-            raise APIError(400, "echo is not supported: a diffusion LM does not score its prompt", "echo")
 
     def check_chat(self, req: ChatCompletionRequest) -> None:
         self.check_model(req)
@@ -55,11 +54,6 @@ class RequestConverter:
             prompts, fields = [prompt], ["prompt"]
         else:
             prompts, fields = list(prompt), [f"prompt[{i}]" for i in range(len(prompt))]
-        if not prompts:
-            raise APIError(400, "'prompt' is empty: send at least one token", "prompt")
-        if len(prompts) > self.cfg.limits.max_choices:
-            raise APIError(400, f"'prompt' has {len(prompts)} prompts; at most {self.cfg.limits.max_choices} "
-                                "(limits.max_choices) fit in one request", "prompt")
         out = []
         for p, field in zip(prompts, fields):
             ids = self.tok.encode(p) if isinstance(p, str) else list(p)
@@ -69,20 +63,9 @@ class RequestConverter:
 
     @staticmethod
     def messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-        """Messages with plain-string content: text parts are joined, any other part type is refused."""
-        out = []
-        for i, m in enumerate(req.messages):
-            content = m.content
-            if not isinstance(content, str):
-                for j, part in enumerate(content):
-                    if part.type != "text" or part.text is None:
-                        what = "a text part without 'text'" if part.type == "text" else f"type '{part.type}'"
-                        raise APIError(400, f"messages[{i}].content[{j}]: content part {what} is not supported: this "
-                                            "model reads only {'type': 'text', 'text': ...} parts",
-                                       f"messages[{i}].content[{j}].type")
-                content = "".join(part.text or "" for part in content)
-            out.append({"role": m.role, "content": content})
-        return out
+        """Messages with plain-string content (a list of text parts is joined)."""
+        return [{"role": m.role, "content": m.content if isinstance(m.content, str) else
+                 "".join(part.text for part in m.content)} for m in req.messages]
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         try:
@@ -148,23 +131,12 @@ class RequestConverter:
     def params(self, req: SamplingFields, n_prompt: int) -> DecodeConfig:
         """Per-request DecodeConfig: the deployment's, overridden by the request within the deployment's bounds."""
         d, lim = self.cfg.decode, self.cfg.limits
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) not in (None, 0):
-                raise APIError(400, f"{name}={getattr(req, name)} is not supported: a diffusion LM decodes blocks in "
-                                    "parallel, so no token history penalty applies; only 0 is accepted", name)
         assert self.limits is not None
         cap = min(d.max_new_tokens, self.limits.max_length - n_prompt)  # the default: what fits
-        limit, field = req.token_limit()
+        limit = req.token_limit()[0]
         if req.max_tokens is not None and limit != req.max_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens differ: send one of them", "max_tokens")
         max_tokens = limit if limit is not None else min(lim.default_max_tokens or cap, cap)
-        if max_tokens > d.max_new_tokens:
-            raise APIError(400, f"{field}={max_tokens} exceeds this deployment's limit of {d.max_new_tokens}", field)
-        if req.temperature is not None and req.temperature > lim.max_temperature:
-            raise APIError(400, f"temperature={req.temperature} exceeds the maximum {lim.max_temperature}",
-                           "temperature")
-        if any(not s for s in req.stop_list()):
-            raise APIError(400, "'stop' strings must not be empty", "stop")
         update: dict[str, Any] = {k: getattr(req, k) for k in MBD_FIELDS if getattr(req, k) is not None}
         update |= {"max_new_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": req.wants_logprobs()}
         update["top_logprobs"] = req.top_count()

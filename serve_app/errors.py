@@ -116,7 +116,8 @@ def _answer(err: APIError, metrics: IngressMetrics | None) -> JSONResponse:
 
 def _http_error(exc: StarletteHTTPException) -> APIError:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), "body" if exc.status_code == 413 else None, kind)
+    return APIError(exc.status_code, str(exc.detail), "body" if exc.status_code == 413 else None, kind,
+                    headers=exc.headers)  # a 405's Allow header among them
 
 
 def install(app: FastAPI, api_key: str | None, max_body_bytes: int, metrics: IngressMetrics | None) -> None:

@@ -1,10 +1,14 @@
 """OpenAI-compatible request/response schemas, as the OpenAI API and vLLM define them.
 
 Requests are strict: wrong types are not coerced and unknown fields are rejected, so a client that asks for
-something we do not do hears about it instead of getting silently different output; fields we accept but
-cannot honour for every value (penalties, top log-probabilities, non-text content parts) are checked by the
-ingress and refused with a 400 naming the field. The MultiBD knobs (buffer_size and the tau_* thresholds) are
-extra top-level fields (`extra_body` in the `openai` client); the deployment bounds them further.
+something we do not do hears about it instead of getting silently different output. Every value rule a field
+has is written on its model here, so the OpenAPI schema states it and the same model enforces it (a 400 naming
+the field): fields OpenAI has whose values we cannot all honour are narrowed to those we can (`echo` only false,
+penalties only 0, content parts only text). `serve_app.routes.deployment_models` narrows them further to one deployment's
+bounds. What a schema cannot state (rules across fields, a prompt's length in tokens, a grammar that must
+compile) is checked by the ingress and listed in the schema's text (docs/serving.md, "The API schema").
+The MultiBD knobs (buffer_size and the tau_* thresholds) are extra top-level fields (`extra_body` in the
+`openai` client).
 
 Log-probabilities: a diffusion LM has no left-to-right next-token distribution. `logprobs` reports, for each
 returned token, its log-probability under the distribution it was accepted from, i.e. the model's softmax
@@ -23,6 +27,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
+from serve_app.schema_rules import PROMPT_RULE, SHARED_CHECKS, Int, Seed, needs, server_checks
+
 Unit = Field(default=None, ge=0.0, le=1.0)
 
 
@@ -36,6 +42,10 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
+
+
+ZERO_ONLY = "only 0 (no penalty): a diffusion LM decodes blocks in parallel, so no token history penalty applies"
 
 
 class StrictRequest(BaseModel):
@@ -61,6 +71,10 @@ class JSONSchemaFormat(StrictRequest):
 
 
 class ResponseFormat(StrictRequest):
+    """`json_schema` is required with type json_schema (the ingress checks it, naming the field)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}}, "then": {"required": ["json_schema"]}})
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -71,29 +85,36 @@ class StructuredOutputs(StrictRequest):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: list[NonEmptyText] | None = Field(default=None, min_length=1)
     grammar: str | None = None
+
+
+def prompt_type(token_id: Any = Int(ge=0), max_prompts: int | None = None) -> Any:
+    """`prompt`: a string, token ids, or a list of either (up to `max_prompts` prompts), none of them empty."""
+    ids = Annotated[list[token_id], Field(min_length=1)]
+    return NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=max_prompts)] | ids | \
+        Annotated[list[ids], Field(min_length=1, max_length=max_prompts)]
 
 
 class SamplingFields(StrictRequest):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int(ge=1) | None = None
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1, description="-1 or 0: all tokens (vLLM)")
-    seed: int | None = None
-    stop: Text | list[Text] | None = None
-    n: int = Field(default=1, ge=1)
+    top_k: Int(ge=-1) | None = Field(default=None, description="-1 or 0: all tokens (vLLM)")
+    seed: Seed | None = None
+    stop: NonEmptyText | list[NonEmptyText] | None = None
+    n: Int(ge=1) = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
-    presence_penalty: float | None = None  # only 0 (no penalty) is accepted
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=0, le=0, description=ZERO_ONLY)
+    frequency_penalty: float | None = Field(default=None, ge=0, le=0, description=ZERO_ONLY)
     # MultiBD extras
-    buffer_size: int | None = Field(default=None, ge=1)
+    buffer_size: Int(ge=1) | None = None
     tau_add: float | None = Unit
     tau_semi: float | None = Unit
     tau_stable: float | None = Unit
@@ -105,7 +126,7 @@ class SamplingFields(StrictRequest):
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[NonEmptyText] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
 
     def stop_list(self) -> list[str]:
@@ -126,9 +147,10 @@ class SamplingFields(StrictRequest):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    model_config = server_checks(prompt=PROMPT_RULE)
+    prompt: prompt_type()  # type: ignore[valid-type]
+    logprobs: Int(ge=0, le=20) | None = None
+    echo: Literal[False] = Field(default=False, description="only false: a diffusion LM does not score its prompt")
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
@@ -137,12 +159,11 @@ class CompletionRequest(SamplingFields):
         return self.logprobs or 0
 
 
-class ContentPart(BaseModel):
-    """One part of a message's content; only {"type": "text", "text": ...} is served (others: 400)."""
+class ContentPart(StrictRequest):
+    """One part of a message's content: this model reads only {"type": "text", "text": ...} parts."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
-    text: Text | None = None
+    type: Literal["text"]
+    text: Text
 
 
 class ChatMessage(StrictRequest):
@@ -152,10 +173,15 @@ class ChatMessage(StrictRequest):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = server_checks(needs("logprobs", {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+                                                     "required": ["top_logprobs"]}, True),
+                                 messages=f"the chat-rendered prompt: {PROMPT_RULE}",
+                                 max_tokens=f"{SHARED_CHECKS['max_tokens']}; equal to max_completion_tokens when both "
+                                            "are sent", max_completion_tokens=SHARED_CHECKS["max_tokens"])
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, description="OpenAI's newer name of max_tokens")
+    max_completion_tokens: Int(ge=1) | None = Field(default=None, description="OpenAI's newer name of max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int(ge=0, le=20) | None = None
 
     def token_limit(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:

@@ -1,17 +1,20 @@
-"""The FastAPI application of one ingress replica: the OpenAI routes bound to that replica, its error handling
-and middlewares (serve_app/errors.py), and an OpenAPI document that lists the status codes we really send."""
+"""The FastAPI application of one ingress replica: the OpenAI routes bound to that replica, its request models
+bounded by its deployment (so its OpenAPI document says what it accepts), its error handling and middlewares
+(serve_app/errors.py), and an OpenAPI document that lists the status codes we really send."""
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import Field, create_model
 
+from mbd.config import ModelConfig, read_json
 from serve_app import errors
 from serve_app.errors import RESPONSES
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, ModelList
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest, ModelList, prompt_type
+from serve_app.schema_rules import Int
 
 if TYPE_CHECKING:
     from serve_app.ingress import OpenAIIngress
@@ -30,7 +33,55 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """One deployment's bounds on a request, known when its app is built: the model it serves, its decode
+    config's max_new_tokens and buffer_size, its request limits and the model's vocabulary (`mask_id` is inside
+    it but reserved by the decoder)."""
+
+    model: str
+    max_tokens: int
+    buffer_size: int
+    max_temperature: float
+    max_choices: int
+    vocab_size: int
+    mask_id: int
+
+
+def deployment_models(b: Bounds) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
+    """The request models of one deployment: the shared fields bounded by `b`, so that its OpenAPI schema says
+    what it accepts and validation enforces the same bounds. `model` is listed, not checked here: another
+    model's name is a 404 (`RequestConverter.check_model`), as OpenAI answers it."""
+    token_id = Int(ge=0, lt=b.vocab_size, json_schema_extra={"not": {"const": b.mask_id}})
+    limit = (Int(ge=1, le=b.max_tokens) | None, Field(default=None, description="at most decode.max_new_tokens; "
+                                                                           "the prompt and these must fit the context"))
+    shared: dict[str, Any] = {
+        "model": (str, Field(json_schema_extra={"enum": [b.model]})),
+        "max_tokens": limit,
+        "temperature": (Annotated[float, Field(ge=0.0, le=b.max_temperature)] | None, None),
+        "n": (Int(ge=1, le=b.max_choices), Field(default=1, description="prompts x n <= limits.max_choices")),
+        "buffer_size": (Int(ge=1, le=b.buffer_size) | None, None),
+    }
+    completion = create_model("CompletionRequest", __base__=CompletionRequest, **shared,
+                              prompt=(prompt_type(token_id, b.max_choices), ...))
+    chat = create_model("ChatCompletionRequest", __base__=ChatCompletionRequest, **shared,
+                        max_completion_tokens=limit)
+    return completion, chat
+
+
+
+def bounds(ing: "OpenAIIngress") -> Bounds:
+    """The deployment's bounds on requests: its serve config and its model's config.json."""
+    cfg = ing.cfg
+    model = ModelConfig.from_hf(read_json(cfg.model.resolved_path() / "config.json"))
+    return Bounds(model=cfg.model.name, max_tokens=cfg.decode.max_new_tokens, buffer_size=cfg.decode.buffer_size,
+                  max_temperature=cfg.limits.max_temperature, max_choices=cfg.limits.max_choices,
+                  vocab_size=model.vocab_size, mask_id=model.mask_token_id)
+
+
 def http_app(ing: "OpenAIIngress", api_key: str | None) -> FastAPI:
+    # the request models are this deployment's (annotations are evaluated here, so they can be local names)
+    Completion, Chat = deployment_models(bounds(ing))
     app = FastAPI(title="mbd-lm", description="OpenAI-compatible API for Multi-Block Diffusion LMs")
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     errors.install(app, api_key, ing.cfg.http.max_body_bytes, ing.metrics)
@@ -45,11 +96,11 @@ def http_app(ing: "OpenAIIngress", api_key: str | None) -> FastAPI:
         return await ing.models()
 
     @app.post("/v1/completions", responses=RESPONSES)
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: Completion) -> Any:  # type: ignore[valid-type]
         return await ing.completions(req)
 
     @app.post("/v1/chat/completions", responses=RESPONSES)
-    async def chat(req: ChatCompletionRequest) -> Any:
+    async def chat(req: Chat) -> Any:  # type: ignore[valid-type]
         return await ing.chat(req)
 
     return app

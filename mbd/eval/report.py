@@ -14,7 +14,7 @@
   prefix-cache hit rate (prompt tokens served from cached pages over those looked up, from the engine's counters
   over every decoded unit of the cell; averaged over benchmarks). Few-shot entries (`fewshot: k`) share their
   exemplars' prefix across problems, which is where the rate is high; their columns are titled e.g. GSM8K (8shot).
-- Plots (matplotlib, Agg): accuracy vs TPF per benchmark with AUP in the legend, and the
+- Plots (`mbd.eval.plots`): accuracy vs TPF per benchmark with AUP in the legend, and the
   fig:train_infer_noise_activity panels C-E from engine traces.
 - Method rows (`mbd quickstart`, `mbd reproduce`): one row per method, the AUP of its curve. Paired
   comparisons and the paper's claims judged from the same records: `mbd.eval.claims`.
@@ -293,96 +293,6 @@ def activity_profile(traces: Iterable[Sequence[dict]], bins: int = 20) -> tuple[
     return (np.arange(bins) + 0.5) / bins, mean, std
 
 
-# ------------------------------------------------------------------------------------------------ plots
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on servers and in Ray workers
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_accuracy_vs_tpf(report: Report, path: str | Path) -> Path:
-    """One panel per benchmark (plus the average when there are several); one line per AUP curve."""
-    plt = _pyplot()
-    layout, by_cell = report.layout, {(c.model, c.config, c.benchmark): c for c in report.cells}
-    panels = layout.benchmarks + (["Average"] if len(layout.benchmarks) > 1 else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        for c in report.curves:
-            rows = [r for r in layout.rows if r.section == c.section and r.curve == c.curve]
-            pts = []
-            for r in rows:
-                cs = [by_cell.get((r.model, r.config, b)) for b in layout.benchmarks] if panel == "Average" \
-                    else [by_cell.get((r.model, r.config, panel))]
-                if all(x is not None for x in cs):
-                    pts.append((float(np.mean([x.tpf for x in cs])), float(np.mean([x.accuracy for x in cs])),
-                                r.config))
-            if not pts:
-                continue
-            pts.sort()
-            value = c.mean if panel == "Average" else c.per_benchmark.get(panel)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    label=f"{c.section}: {c.curve} (AUP {_fmt(value)})")
-            for x, y, name in pts:
-                ax.annotate(name, (x, y), fontsize=6, alpha=0.7, textcoords="offset points", xytext=(3, 3))
-        ax.set_title(display(panel))
-        ax.set_xlabel("TPF")
-        ax.set_ylabel("Accuracy (%)")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    return _save(fig, path)
-
-
-def plot_noise_activity(traces: Mapping[str, Sequence[Sequence[dict]]], path: str | Path, samples: int = 6,
-                        seed: int = 0) -> Path:
-    """fig:train_infer_noise_activity C-E, one row per traced (model, config): (C) mask-ratio distribution
-    per active slot, (D) active-block count mean +- std over decoding progress, (E) sampled trajectories."""
-    plt = _pyplot()
-    rows = [(label, [t for t in ts if t]) for label, ts in traces.items()]
-    rows = [(label, ts) for label, ts in rows if ts]
-    if not rows:
-        raise ValueError("no engine traces to plot: run the sweep with trace_problems > 0")
-    fig, axes = plt.subplots(len(rows), 3, figsize=(13, 3.2 * len(rows)), squeeze=False)
-    rng = np.random.default_rng(seed)
-    edges = np.linspace(-0.025, 1.025, 22)  # 21 bins centred on multiples of 0.05 (mask ratios are k / B)
-    centres, width = (edges[:-1] + edges[1:]) / 2, 0.9 * (edges[1] - edges[0])
-    for (label, ts), (c, d, e) in zip(rows, axes):
-        by_rank = mask_ratios_by_rank(ts)
-        for rank, ratios in enumerate(by_rank):  # grouped bars: each active slot's share of forwards per bin
-            share = np.histogram(ratios, bins=edges)[0] / len(ratios)
-            c.bar(centres - width / 2 + (rank + 0.5) * width / len(by_rank), share, width=width / len(by_rank),
-                  label=f"active slot {rank + 1} (n={len(ratios)})")
-        c.set(title=f"(C) {label}: inference mask ratios", xlabel="mask ratio", ylabel="fraction of forwards")
-        c.legend(fontsize=7)
-        x, mean, std = activity_profile(ts)
-        d.plot(x, mean, color="C0")
-        d.fill_between(x, mean - std, mean + std, color="C0", alpha=0.25)
-        d.set(title="(D) active blocks: mean ± std", xlabel="decoding progress", ylabel="active blocks")
-        for i in rng.choice(len(ts), size=min(samples, len(ts)), replace=False):
-            d_counts = active_counts(ts[i])
-            e.step(range(1, len(d_counts) + 1), d_counts, where="mid", alpha=0.8)
-        e.set(title="(E) sampled trajectories", xlabel="forward pass", ylabel="active blocks")
-        for ax in (c, d, e):
-            ax.grid(alpha=0.3)
-    return _save(fig, path)
-
-
-def _save(fig, path: str | Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 # ------------------------------------------------------------------------------------------ sweep output
 
 
@@ -420,6 +330,8 @@ def write_sweep_report(cfg: SweepConfig, problems: Mapping[str, Sequence[Problem
         label = row_label(cell.model.name, cell.decode.name, cell.model.table_section)
         kept = store.load_traces(cell.model.name, cell.decode.name, cell.benchmark)
         traces.setdefault(label, []).extend(kept[i] for i in ids if i in kept)
+    from mbd.eval.plots import plot_accuracy_vs_tpf, plot_noise_activity  # plots import this module
+
     report = build_report(aggregate(records, lookups), Layout.from_sweep(cfg))
     report_md = report.markdown(f"Evaluation sweep `{cfg.name}`")
     report_path = out / "report.md"

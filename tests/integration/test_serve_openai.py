@@ -415,7 +415,7 @@ def test_structured_output_on_both_endpoints(base):
     ("chat/completions", {"structured_outputs": {"regex": "(?=a)b"}}, "structured_outputs.regex", "look-around"),
     ("chat/completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "send one"),
     ("completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema", "required"),
-    ("completions", {"guided_choice": []}, "guided_choice", "non-empty"),
+    ("completions", {"guided_choice": []}, "guided_choice", "at least 1 item"),
 ])
 def test_structured_output_refusals_name_the_field(base, endpoint, extra, param, words):
     body = {"model": MODEL, "max_tokens": 4, **extra}
