@@ -1,7 +1,7 @@
 """Decoder actor of an evaluation sweep: one per GPU (or a CPU share), holding the current model and engine.
 It runs in a bundle of the sweep's placement group (pipelines/sweep_pool.py) and says which node decoded.
 
-Thin on purpose: planning, decoding and scoring live in mbd.eval.sweep; the actor only keeps an EngineCache
+Thin on purpose: planning, decoding and scoring live in mbd.eval; the actor only keeps an EngineCache
 alive between calls so consecutive units of the same (model, config) reuse the loaded weights and engine.
 """
 
@@ -11,7 +11,8 @@ import ray
 
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.eval.prompts import Message
-from mbd.eval.sweep import DecodedUnit, EngineCache, ModelEntry, decode_prompts
+from mbd.eval.sweep import DecodedUnit, ModelEntry
+from mbd.eval.sweep_work import EngineCache, decode_prompts
 
 
 @ray.remote

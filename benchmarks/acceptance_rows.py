@@ -5,6 +5,7 @@ returns a `Row`; on CPU the same code runs at the quick sizes, CUDA-only rows sa
 
 from __future__ import annotations
 
+import shutil
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +40,8 @@ class Sizes:
     compare_families: tuple[str, ...] = ("sdar", "llada2")  # the CPU test suite compiles both families already
     warmup_shape: str = "sdar-8b"
     warmup_block: int = 32
-    warmup_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # configs/serve/sdar-8b-tp2.yaml
-    warmup_n_buf: int = 4
+    warmup_buckets: tuple[int, ...] = (1, 16)  # the ends of configs/serve/sdar-8b-tp2.yaml's (1, 2, 4, 8, 16, 32)
+    warmup_n_buf: int = 2  # 4 of that config's 24 layer shapes: the per-shape cost fits the short run
     hf_model: str = "0.5b"
     problems: int = 1000
     train_model: str = "0.5b"
@@ -48,9 +49,11 @@ class Sizes:
     train_len: int = 256
 
 
+# The quick warm-up compiles the very shapes of the quick compiled row (the same tiny SDAR, 16 rows, N_buf 2, block
+# 4): run first, it leaves them in the run's compile cache and the compiled row only reads them back.
 QUICK = Sizes(floor_shapes=("tiny", "tiny-moe"), floor_block=4, floor_batches=(1, 4), floor_new=16, floor_repeats=0,
               small="tiny", prompt=16, new=24, compare_buckets=(16,), compare_dtypes=("float32",),
-              compare_families=("sdar",), warmup_shape="tiny", warmup_block=4, warmup_buckets=(2,), warmup_n_buf=2,
+              compare_families=("sdar",), warmup_shape="tiny", warmup_block=4, warmup_buckets=(16,), warmup_n_buf=2,
               hf_model="tiny", problems=48, train_model="tiny", train_rows=4, train_len=32)
 
 
@@ -105,6 +108,22 @@ def compare(model, vocab: int, a: EngineConfig, b: EngineConfig, s: Sizes) -> tu
     return ok, parts
 
 
+def compile_cache(out: Path) -> Path:
+    """The run's compile cache, beside the output folder (so that the folder stays small to copy back): every
+    compiled engine of the run reads and fills it, so a shape compiles once per run; the cold warm-up empties it."""
+    return out.parent / f"{out.name}-compile-cache"
+
+
+def fx_graphs() -> dict[str, int]:
+    """This process's compiled graphs so far: those Inductor compiled from scratch (FX graph cache misses), those
+    it read back from the cache (hits), and those it compiled without looking (bypasses)."""
+    from torch._dynamo.utils import counters
+
+    c = counters["inductor"]
+    return {"compiled": c["fxgraph_cache_miss"], "cache_hits": c["fxgraph_cache_hit"],
+            "bypassed": c["fxgraph_cache_bypass"]}
+
+
 def compiled_row(s: Sizes, device: str, out: Path) -> Row:
     """float32, so that only compilation differs: the compiled decode layers (no graphs) == the same paged attention
     eager, for both families (the MoE's float32 dispatch); bfloat16 (the MoE's grouped GEMMs): agreement reported."""
@@ -113,11 +132,13 @@ def compiled_row(s: Sizes, device: str, out: Path) -> Row:
         for name, (model, vocab) in models(s, device, dtype).items():
             base = dict(device=device, max_batch_rows=16, batch_buckets=list(s.compare_buckets), attention="flex",
                         cuda_graphs="off")
-            good, text = compare(model, vocab, EngineConfig(**base, compile="default"),
+            good, text = compare(model, vocab, EngineConfig(**base, compile="default",
+                                                            compile_cache=str(compile_cache(out))),
                                  EngineConfig(**base, compile="off"), s)
             ok &= good or dtype == torch.bfloat16
             parts.append(f"{name} {str(dtype)[6:]}: " + "; ".join(text))
-    return Row("compiled forward == eager", "PASS" if ok else "FAIL", " | ".join(parts))
+    return Row("compiled forward == eager", "PASS" if ok else "FAIL", " | ".join(parts),
+               data={"fx_graphs": fx_graphs()})
 
 
 def graphs_row(s: Sizes, device: str, out: Path) -> Row:
@@ -128,7 +149,7 @@ def graphs_row(s: Sizes, device: str, out: Path) -> Row:
     ok, parts = True, []
     for name, (model, vocab) in models(s, device, torch.bfloat16).items():
         base = dict(device=device, max_batch_rows=16, batch_buckets=list(s.compare_buckets), attention="flex",
-                    compile="default")
+                    compile="default", compile_cache=str(compile_cache(out)))  # the compiled row's graphs
         good, text = compare(model, vocab, EngineConfig(**base, cuda_graphs="on"),
                              EngineConfig(**base, cuda_graphs="off"), s)
         ok &= good
@@ -150,23 +171,24 @@ def floor_row(index: int):
     return row
 
 
-def compile_cache(out: Path) -> Path:
-    """The warm-up rows' compile cache: beside the output folder, so that the folder stays small to copy back."""
-    return out.parent / f"{out.name}-compile-cache"
+def warmup_row(cold: bool):
+    which = "first (a fresh compile cache)" if cold else "again from that cache"
 
-
-def warmup_row(which: str):
     def row(s: Sizes, device: str, out: Path) -> Row:
-        """Engine construction for the SDAR-8B serve config's shapes: compile and capture every graph; the first
-        run fills a fresh cache directory (emptied when the acceptance run starts), the second reads it."""
+        """Engine construction for shapes of the SDAR-8B serve config: compile and capture every graph; the cold
+        run empties the run's compile cache first, the second run reads what it left. The counts say what was
+        compiled from scratch and what was read back (the second run should compile nothing)."""
+        if cold:
+            shutil.rmtree(compile_cache(out), ignore_errors=True)
         cfg = shape_config(s.warmup_shape, s.warmup_block)
         model = random_model(cfg, device, torch.bfloat16 if device == "cuda" else torch.float32)
         ecfg = EngineConfig(device=device, max_batch_rows=max(s.warmup_buckets), batch_buckets=list(s.warmup_buckets),
                             attention="flex", compile="default", compile_cache=str(compile_cache(out)))
         eng = Engine(model, None, multibd(s.warmup_n_buf, 64), ecfg)
-        shapes = decode_shapes(eng.scheduler.buckets, s.warmup_n_buf)
-        return Row(f"warm-up, {which}", "MEASURED", f"{len(shapes)} shapes in {eng.warmup_s:.1f} s",
-                   data={"seconds": eng.warmup_s, "shapes": len(shapes)})
+        shapes, fx = decode_shapes(eng.scheduler.buckets, s.warmup_n_buf), fx_graphs()
+        return Row(f"warm-up, {which}", "MEASURED", f"{len(shapes)} shapes in {eng.warmup_s:.1f} s; graphs compiled "
+                   f"{fx['compiled']}, read from the cache {fx['cache_hits']}, uncached {fx['bypassed']}",
+                   data={"seconds": eng.warmup_s, "shapes": len(shapes), "fx_graphs": fx})
     return row
 
 

@@ -68,13 +68,14 @@ def zero2_steps(size: str, device: str, steps: int, rows: int, length: int, atte
     from mbd.multitf.batching import LayoutSection, OnTheFlyRows, collate, rows_to_columns
     from mbd.multitf.objectives import ObjectiveSection, compute_objective
     from mbd.train_config import DeepSpeedSection
+    from pipelines.deepspeed_dist import init_distributed
 
     block = 4
     model, cfg = random_sdar(size, block, max_len=2 * length, temper=1.0)
     use_gpu = device == "cuda"
     ds = DeepSpeedSection(zero_stage=2, micro_batch_size=rows, lr=1e-3)
     model = model.to(device, torch.bfloat16 if ds.use_bf16(use_gpu) else torch.float32).train()
-    deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
+    init_distributed(use_gpu)
     try:
         optimizer = torch.optim.AdamW(model.parameters(), **ds.adamw_kwargs())
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds.ds_config(use_gpu))

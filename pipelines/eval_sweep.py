@@ -4,7 +4,7 @@
     mbd eval --sweep configs/eval/paper_main.yaml --limit 50 --output-dir /tmp/quick
     mbd eval --sweep configs/eval/tiny_sweep.yaml --report-only
 
-The driver plans (model, config, benchmark) units of problems not yet stored (mbd.eval.sweep), reserves one
+The driver plans (model, config, benchmark) units of problems not yet stored (mbd.eval.sweep_work), reserves one
 placement group for its decoder actors (actors/eval_worker.py: one per GPU, or a CPU share each) and its
 scoring slots, spread over the cluster's nodes (pipelines/sweep_pool.py: a cluster that can never hold it is
 refused at once, naming the shortfall), and sends every decoded completion to a scoring task in a slot, so
@@ -38,15 +38,12 @@ from mbd.eval.sweep import (
     PrefixCacheRecord,
     ResultStore,
     SweepConfig,
-    Unit,
-    WorkQueue,
-    check_models,
     load_problems,
     load_splits,
     make_record,
-    plan_units,
     score_completion,
 )
+from mbd.eval.sweep_work import Unit, WorkQueue, check_models, plan_units
 from mbd.progress import ProgressLine
 from pipelines.ray_session import init_ray, ray_session
 from pipelines.sweep_pool import DecoderPool

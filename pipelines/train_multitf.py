@@ -164,9 +164,10 @@ def init_engine(cfg: TrainConfig) -> tuple[Any, ModelConfig, torch.device]:
     import deepspeed
 
     from mbd.model import load_checkpoint
+    from pipelines.deepspeed_dist import init_distributed
 
     torch.set_num_threads(max(1, int(cfg.cpus_per_worker)))
-    deepspeed.init_distributed(dist_backend="nccl" if cfg.use_gpu else "gloo")
+    init_distributed(cfg.use_gpu)
     device = ray.train.torch.get_device() if cfg.use_gpu else torch.device("cpu")
     ds = cfg.deepspeed
     model, mcfg = load_checkpoint(cfg.model_path, dtype=torch.bfloat16 if ds.use_bf16(cfg.use_gpu) else torch.float32)

@@ -32,6 +32,21 @@ def tiny_cfg(family: str = "sdar", **kw):
     return ModelConfig(**base)
 
 
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The session's one small local Ray cluster (2 CPUs), started by the first test that asks and shared by every
+    integration and e2e test after it: each cluster start costs tens of seconds on 2 cores. It runs as processes
+    of its own (tests/integration/multinode.py), so a multi-node test can disconnect from it and reconnect."""
+    import ray
+
+    from tests.integration.multinode import LocalCluster
+
+    cluster = LocalCluster(head_cpus=2, object_store_mb=300).start()
+    cluster.connect()
+    yield ray
+    cluster.shutdown()
+
+
 @pytest.fixture(params=["sdar", "llada2_moe"])
 def family(request):
     return request.param

@@ -38,6 +38,7 @@ job calls them |Lambda| times per sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -118,18 +119,24 @@ def _slots(gid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return sizes, starts, np.arange(gid.size) - starts[gid]
 
 
+def _rising(gid: np.ndarray, floor: np.ndarray, draw: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """Slot by slot, each member's level is `draw(floor)` of its group, and becomes the floor of the next member:
+    the chain schedulers' non-decreasing levels (the draws happen slot-major, as the seeded rows expect)."""
+    slot = _slots(gid)[2]
+    out = np.empty(gid.size)
+    for s in range(int(slot.max()) + 1):
+        at = slot == s
+        t = draw(floor[gid[at]])
+        floor[gid[at]] = t
+        out[at] = t
+    return out
+
+
 class ChainUniform(NoiseScheduler):
     def sample_groups(self, gid: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         t_low, t_eff = self.cfg.t_low, self.cfg.t_eff
-        sizes, _, slot = _slots(gid)
-        floor = rng.uniform(t_low, t_eff, size=sizes.size)
-        out = np.empty(gid.size)
-        for s in range(int(sizes.max())):
-            at = slot == s
-            t = rng.uniform(floor[gid[at]], t_eff)
-            floor[gid[at]] = t
-            out[at] = t
-        return out
+        floor = rng.uniform(t_low, t_eff, size=np.bincount(gid).size)
+        return _rising(gid, floor, lambda c: rng.uniform(c, t_eff))
 
 
 class D2FMonotonic(NoiseScheduler):
@@ -146,17 +153,9 @@ class D2FMonotonic(NoiseScheduler):
 
 class RandomPowerLawChain(NoiseScheduler):
     def sample_groups(self, gid: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        t_eff = self.cfg.t_eff
-        sizes, _, slot = _slots(gid)
-        floor = np.full(sizes.size, self.cfg.t_low)
-        out = np.empty(gid.size)
-        for s in range(int(sizes.max())):
-            at = slot == s
-            c = floor[gid[at]]
-            t = c + (t_eff - c) * (1.0 - (1.0 - rng.random(int(at.sum()))) ** self.cfg.gamma_rand)
-            floor[gid[at]] = t
-            out[at] = t
-        return out
+        t_eff, gamma = self.cfg.t_eff, self.cfg.gamma_rand
+        floor = np.full(np.bincount(gid).size, self.cfg.t_low)
+        return _rising(gid, floor, lambda c: c + (t_eff - c) * (1.0 - (1.0 - rng.random(c.size)) ** gamma))
 
 
 class RandomIID(NoiseScheduler):

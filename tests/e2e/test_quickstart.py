@@ -1,8 +1,8 @@
 """A reduced `mbd quickstart` end to end, through its CLI: Ray Data expansion, Ray Train + DeepSpeed ZeRO on two
 CPU workers, the evaluation sweep and one OpenAI-style request to Ray Serve, on the shipped tiny base.
 
-Reuses a Ray connection that is already open (the integration tests' session cluster), else the command
-starts and stops its own local cluster, so it runs alone or in one pytest session with the Ray tests.
+Runs on the session's Ray cluster (`ray_cluster`, shared with the integration tests): the command joins a connected
+Ray instead of starting and stopping a cluster of its own (which it does when run alone).
 """
 
 import json
@@ -22,7 +22,7 @@ EXTRA_ARGS: list[str] = []  # e.g. ["--base-model", DIR] to try the test against
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(ray_cluster, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("quickstart") / "run"
     argv = ["--run-dir", str(run_dir), "--steps", str(STEPS), "--problems", str(PROBLEMS), "--corpus", str(CORPUS),
             "--no-progress", *EXTRA_ARGS]

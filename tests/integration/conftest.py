@@ -1,6 +1,6 @@
-"""Shared fixtures for Ray integration tests: one small local Ray cluster per test session, multi-node clusters
-for the tests that need them, and the tiny random serving checkpoint with its directly-called reference engine
-(the Serve app tests compare against it).
+"""Shared fixtures for Ray integration tests: multi-node clusters for the tests that need them, and the tiny random
+serving checkpoint with its directly-called reference engine (the Serve app tests compare against it). The
+session's one Ray cluster (`ray_cluster`) is in tests/conftest.py: the e2e tests join it too.
 
 A process is the driver of one Ray cluster at a time. The session's cluster therefore runs as processes of its own
 (not started by `ray.init`), so that a multi-node test can disconnect the driver from it, use its own cluster, and
@@ -9,16 +9,6 @@ reconnect the driver afterwards without restarting it."""
 import pytest
 
 from tests.integration.multinode import LocalCluster
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    import ray
-
-    cluster = LocalCluster(head_cpus=2, object_store_mb=300).start()
-    cluster.connect()
-    yield ray
-    cluster.shutdown()
 
 
 @pytest.fixture

@@ -79,7 +79,8 @@ def test_sweep_end_to_end_and_resume(ray_cluster, model_dir, tmp_path):
 def test_fewshot_sweep_beside_zero_shot(ray_cluster, model_dir, tmp_path):
     """The same benchmark zero-shot and 2-shot in one sweep: separate results, exemplars never scored, every 2-shot
     prompt opens with the same exemplar token ids, and each cell reports its prefix-cache hit rate."""
-    from mbd.eval.sweep import load_splits, plan_units
+    from mbd.eval.sweep import load_splits
+    from mbd.eval.sweep_work import plan_units
     from mbd.model import load_checkpoint
     from mbd.tokenizer import Tokenizer
     from pipelines.eval_sweep import run_sweep

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from mbd.eval.sweep import BATCHES_PER_UNIT, ResultStore, SweepConfig
+from mbd.eval.sweep import ResultStore, SweepConfig
+from mbd.eval.sweep_work import BATCHES_PER_UNIT
 from tests.integration.test_eval_sweep import model_dir  # noqa: F401 - the tiny random checkpoint fixture
 
 FAST_DEATH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}  # a killed node is noticed in ~3s
@@ -31,7 +32,8 @@ def config(ckpt_dir, out, workers: int) -> SweepConfig:
 
 def reference(cfg: SweepConfig) -> dict[str, dict]:
     """The sweep's units decoded and scored in this process, one engine for all (what a 1-node run stores)."""
-    from mbd.eval.sweep import EngineCache, decode_prompts, load_splits, plan_units, score_completion
+    from mbd.eval.sweep import load_splits, score_completion
+    from mbd.eval.sweep_work import EngineCache, decode_prompts, plan_units
 
     splits = load_splits(cfg)
     units, _ = plan_units(cfg, {k: s.scored for k, s in splits.items()}, ResultStore(cfg.output_dir + "-none"),

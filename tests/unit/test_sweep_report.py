@@ -11,7 +11,8 @@ from mbd.eval.metrics import AupPoint, aup, aup_d3llm, mean_aup
 from mbd.eval.plots import plot_accuracy_vs_tpf, plot_noise_activity
 from mbd.eval.report import (CellMetrics, Layout, Row, activity_profile, active_counts, aggregate, build_report, display,
                              mask_ratios_by_rank, write_sweep_report)
-from mbd.eval.sweep import ItemRecord, PrefixCacheRecord, ResultStore, SweepConfig, WorkQueue, load_problems, plan_units
+from mbd.eval.sweep import ItemRecord, PrefixCacheRecord, ResultStore, SweepConfig, load_problems
+from mbd.eval.sweep_work import WorkQueue, plan_units
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
