@@ -50,7 +50,7 @@ from mbd.decoding.state import FREE_ROW, BatchBuffers, RowLayout, SlotState
 from mbd.model import KVCache
 from mbd.model.attention import Cached, Paged, Segmented
 from mbd.model.cache import default_page_size
-from mbd.model.base import LayerCall, call_layer
+from mbd.model.base import LayerCall
 from mbd.model.masks import PagedDecodeMask, block_causal_dense
 from mbd.model.tp import SINGLE
 
@@ -271,12 +271,13 @@ class ModelRunner:
         return start[:, None] * self.block + self._arange_q[: active * self.block]
 
     def _logits(self, b: int, slots: int, active: int, attn: Cached | Paged,
-                call: LayerCall = call_layer) -> tuple[torch.Tensor, torch.Tensor]:
+                **call: LayerCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of `attn`; `call`: how the model calls each layer (the compiled forward's; eager: its own)."""
         idx = self.window(b, slots, active)
         Q = slots * self.block
         pos = self.positions(b, slots) if self.paged is None else self.paged.q_pos[:b, :Q]
         logits = self.model(self.buf.tokens[:b, :Q], pos, attn, logits_at=idx,
-                            token_conf=self.buf.token_conf[:b, :Q] if self.policy.token_merge else None, call=call)
+                            token_conf=self.buf.token_conf[:b, :Q] if self.policy.token_merge else None, **call)
         return logits, idx
 
     def _paged(self, b: int, slots: int) -> Paged:
@@ -286,7 +287,7 @@ class ModelRunner:
 
     def _paged_forward(self, b: int, slots: int, active: int, call: LayerCall) -> tuple[torch.Tensor, torch.Tensor]:
         """The flex forward of the compiled runner (`CompiledForward`), each layer called by `call`."""
-        return self._logits(b, slots, active, self._paged(b, slots), call)
+        return self._logits(b, slots, active, self._paged(b, slots), call=call)
 
     def _dense(self, b: int, slots: int, span: int, home: bool) -> Cached:
         """The sdpa attention of a decode forward; positions and mask are rebuilt only when lengths or resident
