@@ -17,7 +17,7 @@ from benchmarks.hf_baseline import PlainBlockDiffusion, random_sdar, to_qwen3
 from benchmarks.step_floor import measure, shape_config, random_model
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding import Engine
-from mbd.decoding.runner import decode_shapes
+from mbd.decoding.compiled import decode_shapes
 
 SKIPPED = "skipped (no CUDA)"
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.hf_baseline import TEMPER, PlainBlockDiffusion, random_sdar, to_qwen3  # noqa: E402
 from mbd.config import DecodeConfig  # noqa: E402
 from mbd.decoding import Engine, EngineConfig  # noqa: E402
-from mbd.decoding.runner import decode_shapes  # noqa: E402
+from mbd.decoding.compiled import decode_shapes  # noqa: E402
 
 MAX_LEN = 2048  # the engine's max_length: what a server would allocate for, whatever the prompt
 NEW = 256

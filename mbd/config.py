@@ -282,15 +282,6 @@ class EngineConfig(StrictModel):
                              "cuda_graphs: off")
         return self
 
-    def decode_path(self, device) -> tuple[str, str, bool]:
-        """(attention, compile mode, CUDA Graphs) of an engine on `device` (a torch.device), "auto" resolved."""
-        cuda = device.type == "cuda"
-        attention = self.attention if self.attention != "auto" else ("flex" if cuda else "sdpa")
-        if attention == "sdpa":
-            return attention, "off", False
-        compile = self.compile if self.compile != "auto" else ("default" if cuda else "off")
-        return attention, compile, self.cuda_graphs == "on" or (self.cuda_graphs == "auto" and cuda)
-
     def torch_device(self, own=None):
         """The engine's device, the one place "auto" is resolved: `own` (the device of a model handed to the
         Engine, which stays there), else cuda if available (where a checkpoint is loaded)."""

@@ -228,7 +228,7 @@ def _graph_item(cfg: ModelConfig, shape: ServeShape, decode: DecodeConfig, e: in
     """The runner captures every decode shape (`decode_shapes`: batch bucket, slots, logits window) at start-up
     into one shared pool and writes every graph's logits into one buffer: the largest forward's peak, that buffer
     and each graph's small window output."""
-    from mbd.decoding.runner import decode_shapes
+    from mbd.decoding.compiled import decode_shapes
     from mbd.decoding.scheduler import power_of_two_buckets
 
     if not shape.cuda_graphs:

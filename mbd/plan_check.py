@@ -49,7 +49,9 @@ def serve_shape(engine: EngineConfig, tp: int) -> ServeShape:
     """The memory-relevant settings of an engine config at tensor-parallel size `tp`."""
     device = engine.torch_device()
     cuda, dtype = device.type == "cuda", engine.torch_dtype()
-    attention, compile, graphs = engine.decode_path(device)
+    from mbd.decoding.compiled import decode_mode
+
+    attention, compile, graphs = decode_mode(engine, device)
     # eager flex materialises the scores as the math kernel does
     attention = "sdpa" if attention == "flex" and compile == "off" else attention
     return ServeShape(tp=tp, dtype=dtype, cuda=cuda, max_batch_rows=engine.max_batch_rows,

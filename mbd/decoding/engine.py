@@ -79,8 +79,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.buf, self.policy, engine, self.max_length + self.block)
         self.kv = CacheManager(self.runner.cache, engine.prefix_caching)
         self.stats = EngineStats()
-        self.scheduler = Scheduler(self.kv, self.buf, engine.batch_buckets, engine.prefill_budget, self.stats,
-                                   self.runner.full_window)
+        self.scheduler = Scheduler(self.kv, self.buf, engine.batch_buckets, engine.prefill_budget, self.stats)
         self.warmup_s = self.runner.warmup(self.scheduler.buckets)  # compile and capture every shape before serving
         self.limits = EngineLimits(mcfg.vocab_size, self.mask_id, self.block, self.n_buf, decode.strategy,
                                    self.max_length, self.kv.page, self.kv.capacity)
@@ -154,7 +153,7 @@ class Engine:
                 self._prefill(req)
             if self.scheduler.running:
                 t0 = time.perf_counter()
-                batch = self.scheduler.decode_batch()
+                batch = self.runner.fit(self.scheduler.decode_batch())
                 outs += self.postprocess(batch, self.runner.run(batch), t0)
         return outs
 

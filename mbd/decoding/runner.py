@@ -12,15 +12,14 @@ prefix and the resident slots up to its own block, DUMMY slots are invisible. A 
 resident, so its final tokens are re-run and their K/V land in the cache in the same forward that decodes the
 later slots (decode-store overlap); the caller then commits them.
 
-Two attention paths (`EngineConfig.attention`):
+Two attention paths (`EngineConfig.attention`), each eager, and the flex one compiled or captured:
 - flex (GPU default): FlexAttention over the KV page pool itself with a `PagedDecodeMask` BlockMask whose
   tensors are rewritten in place when the layout or the page table changes: no gather and no key span, so a
-  forward's shape is (batch bucket, slots, logits window) only. Compiled (`EngineConfig.compile`: one decoder
-  layer, fullgraph) and captured as a CUDA Graph per shape, all at start-up (`warmup`), every graph in one
-  memory pool writing one logits buffer. Under compile or graphs the logits window is all slots (or none, for a
-  forward that only stores), so the shapes are `decode_shapes(...)`.
+  forward's shape is (batch bucket, slots, logits window) only, and on GPU it runs compiled and captured as a
+  CUDA Graph per shape (`mbd.decoding.compiled`: the logits window is then all slots or none, `fit`).
 - sdpa (CPU default, the reference): a dense mask over keys [0, span) gathered from the pages (or viewed in place
   while every row sits in its home pages), span = the longest row's need rounded by `span_bucket`, eager.
+So `forward` reads: eager (the attention object of the path), or the compiled forward's `run(shape)`.
 
 Buckets keep shapes small. Batch: the forward runs the first `bucket` rows, the smallest bucket covering every
 occupied row (the scheduler admits into the lowest free row). Slots: the most resident slots of any row
@@ -28,30 +27,31 @@ occupied row (the scheduler admits into the lowest free row). Slots: the most re
 so the head (and the policy's vocabulary softmax) runs on a window of `active` slots per row (`window`), and not
 at all for a forward whose rows only store or for a prefill.
 Chunked prefill: eager, prompt chunks of other rows ride in the decode forward (`_fused`): one pass over the
-weights for all tokens, attention per segment. Compiled or captured, they run as prefill forwards right after
-the step's graph (so the step's shape stays one of the few).
+weights for all tokens, attention per segment. Compiled, they run as prefill forwards right after the step (so
+the step's shape stays one of the few).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from mbd.config import ConfigError, EngineConfig
+from mbd.config import EngineConfig
 from mbd.decoding.batch import DecodeBatch, PrefillChunk, RowOutput
+from mbd.decoding.compiled import CompiledForward, decode_mode, decode_shapes
 from mbd.decoding.guided import Guide, RowFix
 from mbd.decoding.policy import Policy
 from mbd.decoding.state import FREE_ROW, BatchBuffers, RowLayout, SlotState
 from mbd.model import KVCache
 from mbd.model.attention import Cached, Paged, Segmented
 from mbd.model.cache import default_page_size
-from mbd.model.masks import PagedDecodeMask
+from mbd.model.base import LayerCall
+from mbd.model.masks import PagedDecodeMask, block_causal_dense
 from mbd.model.tp import SINGLE
 
 log = logging.getLogger("mbd.engine")
@@ -64,13 +64,6 @@ def span_bucket(need: int, size: int) -> int:
     set of O(log size) values, capped at the cache size."""
     step = max(SPAN_MIN, (1 << (max(need, 1).bit_length() - 1)) // 4)
     return min(size, -(-need // step) * step)
-
-
-def decode_shapes(buckets: Sequence[int], n_buf: int) -> list[tuple[int, int, int]]:
-    """Every (batch rows, slots, logits window) a compiled / graph-captured decode forward runs: each bucket, any
-    resident slot count, and a window of all slots or none (a forward that only stores). SDAR-8B's serve config
-    (6 buckets, N_buf 4): 48 graphs; layers compile once per (rows, slots): 24."""
-    return [(b, s, a) for b in buckets for s in range(1, n_buf + 1) for a in (0, s)]
 
 
 def allocate_cache(model: nn.Module, rows: int, max_len: int, margin: int, engine: EngineConfig,
@@ -88,15 +81,6 @@ def allocate_cache(model: nn.Module, rows: int, max_len: int, margin: int, engin
                              f"pool needs at least 2 ({2 * KVCache.page_bytes(cfg, page, dtype, tp)} bytes)")
     return KVCache(cfg, rows, max_len, margin=margin, dtype=dtype, device=device, tp=tp, page_size=page,
                    num_pages=pages)
-
-
-def use_compile_cache(path: str | None) -> None:
-    """Keep inductor's and Triton's compiled artifacts in `path`, so a later start of the same engine (a restarted
-    replica) loads its kernels instead of compiling them. Set before the first compilation of the process."""
-    if path:
-        os.makedirs(path, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(path)
-        os.environ["TRITON_CACHE_DIR"] = os.path.join(os.path.abspath(path), "triton")
 
 
 def flex_kernel_options(q: int, page: int, device: torch.device) -> dict | None:
@@ -117,33 +101,41 @@ class ModelRunner:
         self.model, self.buf, self.policy, self.block = model, buf, policy, buf.block
         rows, self.q = buf.tokens.shape
         dev = buf.tokens.device
-        self.attention, self.compile, self.use_graphs = engine.decode_path(dev)
-        if self.compile != "off" and next(model.parameters()).dtype == torch.float64:
-            raise ConfigError(f"compile: {self.compile} needs float32/bfloat16/float16 weights (inductor's "
-                              "FlexAttention rejects float64); use compile: off for the eager kernel")
-        use_compile_cache(engine.compile_cache if self.compile != "off" else None)
+        mode = decode_mode(engine, dev)
+        self.attention = mode.attention
         self.cache = allocate_cache(model, rows, max_len, self.q, engine, dev)
         self._views: dict[tuple[int, int, bool], KVCache] = {}
         self._arange_q = torch.arange(self.q, device=dev)
-        self._kv = torch.arange(self.cache.size, device=dev)
-        self._kv_block = self._kv // self.block
         self.prefill_chunk = max(self.block, engine.prefill_chunk // self.block * self.block)
-        # under compile or graphs the logits window is all slots or none: a forward's shape has 2 window sizes
-        self.full_window = self.compile != "off" or self.use_graphs
         self.paged = None
         if self.attention == "flex":
             c = self.cache
             self.paged = PagedDecodeMask(rows, buf.n_buf, self.block, c.page_size, c.num_pages,
                                          c.page_table.shape[1], dev)
-        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # every shape's graph shares it
-        self._logits_buf: torch.Tensor | None = None  # and writes its logits into this buffer (`_capture`)
-        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.compiled = None  # the compiled / captured forward (flex only), or eager decoding
+        if mode.static:
+            self.compiled = CompiledForward(self._paged_forward, mode, engine.compile_cache,
+                                            next(model.parameters()).dtype, rows, self.q)
         self._inputs: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # sdpa: (positions, mask)
         self._uploaded = [FREE_ROW] * rows  # what the device's slot states and committed lengths hold
         self._table_version = -1  # the cache's page-table version the paged masks were derived from
         self.shapes: Counter[tuple[int, int, int]] = Counter()  # (batch, Q, span or 0) of every decode forward
         self.guide: Guide | None = None  # structured output (the engine sets it with the first grammar)
         self._refresh()
+
+    def fit(self, batch: DecodeBatch) -> DecodeBatch:
+        """`batch` as its forward runs: compiled, with the logits window of `CompiledForward.window` (all slots or
+        none: a step's shape is one of `decode_shapes`)."""
+        if self.compiled is None:
+            return batch
+        return dataclasses.replace(batch, active=self.compiled.window(batch.slots, batch.active))
+
+    def warmup(self, buckets: Sequence[int], say: Callable[[str], None] = log.info) -> float:
+        """Compile and capture every decode shape before serving (`CompiledForward.warmup`); the seconds it took
+        (0: eager decoding, nothing to prepare)."""
+        if self.compiled is None:
+            return 0.0
+        return self.compiled.warmup(decode_shapes(buckets, self.buf.n_buf), say)
 
     # ----------------------------------------------------------------- the step
     def run(self, batch: DecodeBatch) -> dict[int, RowOutput]:
@@ -250,27 +242,25 @@ class ModelRunner:
         [0, b): logits only for each row's window of `active` slots starting at its first ACTIVE slot (`window`:
         positions in the row's buffer; static outputs under graphs). sdpa reads keys [0, span) for the longest
         row's `max_committed`; home: rows [0, b) map only their home pages (`CacheManager.at_home`), so sdpa reads
-        keys without a gather. `chunks`: prompt chunks of other rows computed in the same forward (eager)."""
-        if self.paged is None:
-            span = span_bucket(max_committed + slots * self.block, self.cache.size)
-            self.shapes[(b, slots * self.block, span)] += 1
-            if chunks:
-                return self._fused(b, slots, active, chunks, self._dense(b, slots, span, home))
-            return self._dense_step(b, slots, active, span, home)
-        self.shapes[(b, slots * self.block, 0)] += 1
-        if chunks and not self.full_window:
-            return self._fused(b, slots, active, chunks, self._paged_attention(b, slots))
-        key = (b, slots, active)
-        if not self.use_graphs:
-            out = self._paged_step(*key)
+        keys without a gather. `chunks`: prompt chunks of other rows, computed in the same forward when eager,
+        right after it when compiled (their K/V last)."""
+        Q = slots * self.block
+        if self.compiled is not None:
+            self.shapes[(b, Q, 0)] += 1
+            out = self.compiled.run((b, slots, active))
+            for c in chunks:
+                self.prefill(c.row, c.ids, c.start)
+            return out
+        if self.paged is not None:
+            attn = self._paged(b, slots)
+            self.shapes[(b, Q, 0)] += 1
         else:
-            if key not in self._graphs:
-                self._graphs[key] = self._capture(*key)
-            graph, out = self._graphs[key]
-            graph.replay()
-        for c in chunks:  # compiled shapes stay few: prompt chunks run after the step (their K/V last), eagerly
-            self.prefill(c.row, c.ids, c.start)
-        return out
+            span = span_bucket(max_committed + Q, self.cache.size)
+            attn = self._dense(b, slots, span, home)
+            self.shapes[(b, Q, span)] += 1
+        if chunks:
+            return self._fused(b, slots, active, chunks, attn)
+        return self._logits(b, slots, active, attn)
 
     def window(self, b: int, slots: int, active: int) -> torch.Tensor:
         """Buffer positions [b, active * B] of slots [start, start + active), start = the row's TO_CACHE count
@@ -280,21 +270,24 @@ class ModelRunner:
         start = n_tc.clamp(max=slots - active)
         return start[:, None] * self.block + self._arange_q[: active * self.block]
 
-    def _logits(self, b: int, slots: int, active: int, attn) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logits(self, b: int, slots: int, active: int, attn: Cached | Paged,
+                **call: LayerCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of `attn`; `call`: how the model calls each layer (the compiled forward's; eager: its own)."""
         idx = self.window(b, slots, active)
         Q = slots * self.block
         pos = self.positions(b, slots) if self.paged is None else self.paged.q_pos[:b, :Q]
         logits = self.model(self.buf.tokens[:b, :Q], pos, attn, logits_at=idx,
-                            token_conf=self.buf.token_conf[:b, :Q] if self.policy.token_merge else None)
+                            token_conf=self.buf.token_conf[:b, :Q] if self.policy.token_merge else None, **call)
         return logits, idx
 
-    def _paged_attention(self, b: int, slots: int) -> Paged:
+    def _paged(self, b: int, slots: int) -> Paged:
         Q = slots * self.block
-        return Paged(self.view(b), self.paged.q_pos[:b, :Q], self.paged.block_mask(b, slots), self.compile,
+        return Paged(self.view(b), self.paged.q_pos[:b, :Q], self.paged.block_mask(b, slots),
                      flex_kernel_options(Q, self.cache.page_size, self.cache.k.device))
 
-    def _paged_step(self, b: int, slots: int, active: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._logits(b, slots, active, self._paged_attention(b, slots))
+    def _paged_forward(self, b: int, slots: int, active: int, call: LayerCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flex forward of the compiled runner (`CompiledForward`), each layer called by `call`."""
+        return self._logits(b, slots, active, self._paged(b, slots), call=call)
 
     def _dense(self, b: int, slots: int, span: int, home: bool) -> Cached:
         """The sdpa attention of a decode forward; positions and mask are rebuilt only when lengths or resident
@@ -304,20 +297,9 @@ class ModelRunner:
             lengths = self.cache.lengths[:b]
             pos = self.positions(b, slots)
             visible = lengths + (self.buf.state[:b] != SlotState.DUMMY).sum(1) * self.block
-            self._inputs[key] = pos, self.mask(pos, visible, span)
+            self._inputs[key] = pos, block_causal_dense(pos, span, visible, self.block)
         pos, mask = self._inputs[key]
         return Cached(self.view(b, span, home), mask, pos)
-
-    def _dense_step(self, b: int, slots: int, active: int, span: int, home: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._logits(b, slots, active, self._dense(b, slots, span, home))
-
-    def mask(self, pos: torch.Tensor, visible: torch.Tensor, span: int) -> torch.Tensor:
-        """`block_causal_dense(pos, span, visible, B)` (same rule, asserted equal in the tests) from
-        precomputed key indices: fewer ops, which is what a step costs on CPU."""
-        kv, kv_block = self._kv[:span], self._kv_block[:span]
-        pos = pos.unsqueeze(-1)
-        m = (kv_block <= pos // self.block) & (kv < visible.view(-1, 1, 1))
-        return (m | (kv == pos)).unsqueeze(1)
 
     def _fused(self, b: int, slots: int, active: int, chunks: Sequence[PrefillChunk],
                decode: Cached | Paged) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,7 +313,7 @@ class ModelRunner:
         for c in chunks:
             end = c.start + len(c.ids)
             cpos = torch.arange(c.start, end, device=dev)[None]
-            cmask = self.mask(cpos, torch.tensor([end], device=dev), end)
+            cmask = block_causal_dense(cpos, end, torch.tensor([end], device=dev), self.block)
             parts.append((1, len(c.ids), Cached(self.cache.view(c.row, c.row + 1, end), cmask, cpos)))
             ids.append(torch.tensor(c.ids, device=dev)[None])
             all_pos.append(cpos)
@@ -344,49 +326,6 @@ class ModelRunner:
         logits = self.model(torch.cat(ids, 1), torch.cat(all_pos, 1), Segmented(tuple(parts)),
                             logits_at=flat_idx, token_conf=merge)
         return logits.view(b, active * self.block, logits.shape[-1]), idx
-
-    def _capture(self, b: int, slots: int, active: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
-        # Warm-up runs only rewrite scratch K/V (positions >= lengths), which every forward rewrites anyway.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                logits, _ = self._paged_step(b, slots, active)
-        torch.cuda.current_stream().wait_stream(side)
-        if self._logits_buf is None:  # [rows, Q, V]: every graph's logits land in a view of this one buffer
-            self._logits_buf = logits.new_empty(self.buf.tokens.shape + logits.shape[-1:])
-        # One memory pool and one logits buffer for every shape, so graphs cost the largest forward plus one batch
-        # of logits instead of the sum of every shape's forward and logits. Safe because graphs replay one at a time
-        # on one stream and each step consumes its logits (the policy's update, the one device-to-host copy) before
-        # the next forward: a later capture may reuse an earlier one's scratch, never memory still referenced (the
-        # buffer, each graph's window).
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits, idx = self._paged_step(b, slots, active)
-            out = self._logits_buf[:b, : logits.shape[1]]
-            out.copy_(logits)
-        return graph, (out, idx)
-
-    def warmup(self, buckets: Sequence[int], say: Callable[[str], None] = log.info) -> float:
-        """Compile every decode shape and capture its CUDA Graph before serving, so no request waits for either;
-        one line before, one after. Returns the seconds it took (0: nothing to prepare, eager decoding)."""
-        if self.paged is None or not self.full_window:
-            return 0.0
-        shapes = decode_shapes(buckets, self.buf.n_buf)
-        what = f"{len(shapes)} CUDA Graphs" if self.use_graphs else f"{len(shapes)} compiled shapes"
-        say(f"engine warm-up: {what} (compile: {self.compile}; cache: "
-            f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'torch default')})")
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            for key in shapes:
-                if self.use_graphs:
-                    if key not in self._graphs:
-                        self._graphs[key] = self._capture(*key)
-                else:
-                    self._paged_step(*key)
-        seconds = time.perf_counter() - t0
-        say(f"engine warm-up done: {what} in {seconds:.1f} s")
-        return seconds
 
     def prefill(self, row: int, ids: list[int], start: int = 0) -> None:
         """Run prompt tokens `ids` (block-aligned, placed at `start`, after the committed [0, start) of cache row
@@ -401,7 +340,7 @@ class ModelRunner:
             chunk = all_ids[:, off:off + self.prefill_chunk]
             a, n = start + off, chunk.shape[1]
             pos = torch.arange(a, a + n, device=dev)[None]
-            mask = self.mask(pos, torch.tensor([a + n], device=dev), a + n)
+            mask = block_causal_dense(pos, a + n, torch.tensor([a + n], device=dev), self.block)
             self.model(chunk, pos, Cached(self.cache.view(row, row + 1, a + n), mask, pos), logits_at=none)
 
 

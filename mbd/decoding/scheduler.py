@@ -44,11 +44,10 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, kv: CacheManager, buf: BatchBuffers, buckets: Sequence[int] | None, prefill_budget: int,
-                 stats: EngineStats, full_window: bool = False):
+                 stats: EngineStats):
         """buckets: batch sizes a forward may run (`EngineConfig.batch_buckets`, validated there; default: powers
-        of two); prefill_budget: prompt tokens a decode step may carry, rounded down to whole blocks (at least one);
-        full_window: the logits window is all slots or none (compiled / graph-captured forwards: fewer shapes)."""
-        self.kv, self.buf, self.block, self.stats, self.full_window = kv, buf, buf.block, stats, full_window
+        of two); prefill_budget: prompt tokens a decode step may carry, rounded down to whole blocks (at least one)."""
+        self.kv, self.buf, self.block, self.stats = kv, buf, buf.block, stats
         self.rows = buf.tokens.shape[0]
         self.buckets = tuple(sorted(set(buckets or power_of_two_buckets(self.rows))))
         self._bucket_of = [next(b for b in self.buckets if b >= n) for n in range(self.rows + 1)]
@@ -199,14 +198,12 @@ class Scheduler:
     def decode_batch(self) -> DecodeBatch:
         """The decode forward: decoding rows in the smallest batch bucket covering them, the resident prefix of
         the fullest row (trailing DUMMY slots of every row are skipped), logits for a window of the most ACTIVE
-        slots of any row (all slots when a row samples: its draws must not depend on the batch, or when shapes must
-        stay few: `full_window`), and up to `prefill_budget` prompt tokens of prefilling rows."""
+        slots of any row (all slots when a row samples: its draws must not depend on the batch), and up to
+        `prefill_budget` prompt tokens of prefilling rows."""
         reqs = [r for r in self.running.values() if r.decoding]
         b = self._bucket_of[max(r.row for r in reqs) + 1]
         S = max(r.n_res for r in reqs)
         A = S if any(r.generator is not None for r in reqs) else max(r.n_res - r.n_tc for r in reqs)
-        if self.full_window and A:
-            A = S
         layout = [FREE_ROW] * b
         for row, req in self.running.items():
             if row < b:

@@ -8,11 +8,12 @@ each way the model runs is one class here:
   Prefill and the dense (sdpa) decode step.
 - `Paged`: the decode step's FlexAttention path: K/V are written into the page pool and attention runs over the
   pool itself, the BlockMask naming each row's pages (`masks.PagedDecodeMask`): no gather and no key span, so a
-  step's shapes depend only on (batch rows, slots). This is the forward the engine compiles and captures.
+  step's shapes depend only on (batch rows, slots).
 - `Segmented`: several groups of rows in one flat input (a decode step carrying prompt chunks).
 
 `layer(i)` returns layer i's `attend`. The objects a `Paged` forward hands out hold tensors and ints only (the
-layer's pool pages, the addresses, the mask), never the layer index, so one compiled layer serves every layer.
+layer's pool pages, the addresses, the mask), never the layer index, so that one compiled decoder layer can serve
+every layer (`mbd.decoding.compiled`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from torch.nn.attention.flex_attention import flex_attention
+
 from mbd.model.cache import KVCache
 from mbd.model.layers import attend as attend_masked
-from mbd.model.layers import flex_kernel
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q [b,h,n,d], k/v [b,kvh,n,d] -> [b,n,h*d]
 
@@ -38,7 +40,6 @@ class Masked:
     """Attention over the input itself (no cache) under `mask` (a dense bool mask or a FlexAttention BlockMask)."""
 
     mask: object
-    compile = "off"  # the layers run eagerly (only the paged decode forward is compiled)
 
     def layer(self, i: int) -> Attend:
         return self
@@ -50,8 +51,6 @@ class Masked:
 class Cached:
     """Tokens at `pos` [b, n] of the rows of `cache` (a view): K/V written at their addresses, keys [0, span) read
     back under `mask`."""
-
-    compile = "off"
 
     def __init__(self, cache: KVCache, mask: object, pos: torch.Tensor):
         self.cache, self.mask = cache, mask
@@ -75,40 +74,37 @@ class PagedLayer:
     v_pool: torch.Tensor
     kv_at: torch.Tensor
     block_mask: object
-    kernel: Callable  # flex_attention, compiled or (eager, the reference) materialising scores over the pool
-    kernel_options: dict | None
+    kernel_options: dict | None  # flex's tile sizes (CUDA)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.k_pool[:, self.kv_at] = k.transpose(0, 1).flatten(1, 2)
         self.v_pool[:, self.kv_at] = v.transpose(0, 1).flatten(1, 2)
-        o = self.kernel(q, self.k_pool.unsqueeze(0), self.v_pool.unsqueeze(0), block_mask=self.block_mask,
+        o = flex_attention(q, self.k_pool.unsqueeze(0), self.v_pool.unsqueeze(0), block_mask=self.block_mask,
                         enable_gqa=q.shape[1] != k.shape[1], kernel_options=self.kernel_options)
         return _merge_heads(o)
 
 
 class Paged:
     """A decode forward over the whole page pool of `cache`: tokens at `pos` [b, n] are written at their pool
-    addresses and attend through `block_mask` (a `PagedDecodeMask` BlockMask over rows [0, b)). `compile`: the
-    torch.compile mode of the layers and the flex kernel ("off": both eager, the reference)."""
+    addresses and attend through `block_mask` (a `PagedDecodeMask` BlockMask over rows [0, b)). Eager, flex
+    materialises the scores over the pool (the reference); inside a compiled layer it is inductor's fused kernel."""
 
-    def __init__(self, cache: KVCache, pos: torch.Tensor, block_mask: object, compile: str = "off",
-                 kernel_options: dict | None = None):
-        self.cache, self.block_mask, self.compile, self.kernel_options = cache, block_mask, compile, kernel_options
-        self.kernel = flex_kernel(compile)
+    def __init__(self, cache: KVCache, pos: torch.Tensor, block_mask: object, kernel_options: dict | None = None):
+        self.cache, self.block_mask, self.kernel_options = cache, block_mask, kernel_options
         self.kv_at = cache.address(pos)
 
     def layer(self, i: int) -> PagedLayer:
         return PagedLayer(self.cache.k[i].flatten(1, 2), self.cache.v[i].flatten(1, 2), self.kv_at, self.block_mask,
-                          self.kernel, self.kernel_options)
+                          self.kernel_options)
 
 
 @dataclass(frozen=True)
 class Segmented:
     """Several groups of rows in one flat input [1, sum(rows * width)]: each part (`rows` x `width` tokens, a
-    `Cached` or an eager `Paged`) attends against its own cache. The linear layers run once over all tokens, attention per part."""
+    `Cached` or a `Paged`) attends against its own cache. The linear layers run once over all tokens, attention per
+    part."""
 
     parts: tuple[tuple[int, int, "Cached | Paged"], ...]  # (rows, width, attention) in input order
-    compile = "off"
 
     def layer(self, i: int) -> Attend:
         kernels = [(rows, width, part.layer(i)) for rows, width, part in self.parts]

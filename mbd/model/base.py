@@ -5,16 +5,13 @@ Block Buffer tokens, keys are the cached prefix of their row, which the forward 
 reads and writes keys is the `attn` object's business (`mbd.model.attention`: Masked, Cached, Paged,
 Segmented); a layer only calls the kernel it is handed. At inference the head runs only on the positions whose
 logits are read (`logits_at`): a decode step needs them for its ACTIVE slots only, a prefill for none, and the
-LM head plus the policy's vocabulary softmax is a large part of a small model's step.
-
-Compiled decoding (`attn.compile` != "off") compiles one decoder layer, not the model: every layer of a family
-has the same code and shapes, so one inductor graph per (layer kind, input shape) serves all of them (compile
-time does not grow with depth), and the eager loop around it costs nothing once the step is a CUDA Graph.
+LM head plus the policy's vocabulary softmax is a large part of a small model's step. How each layer is called is
+the caller's (`call`): the engine's compiled decode forward (`mbd.decoding.compiled`) passes `call_layer` compiled.
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,25 +20,12 @@ from mbd.config import ModelConfig
 from mbd.model.layers import rope_cos_sin
 from mbd.model.tp import TPGroup
 
-COMPILED_SHAPES = 4096  # compiled (layer kind x input shape) graphs a process may hold
+LayerCall = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, Callable], torch.Tensor]
 
 
-def run_layer(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+def call_layer(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+    """Decoder layer `layer` on h: the unit that `mbd.decoding.compiled` compiles (one graph serves every layer)."""
     return layer(h, cos, sin, attend)
-
-
-@functools.cache
-def layer_runner(compile: str):
-    """`run_layer`, eager ("off") or compiled whole (fullgraph: a graph break would split the fused kernels and
-    fail loudly instead) with that torch.compile mode. Shapes are static, so each (layer kind, batch, tokens)
-    compiles once; Dynamo's default limit of 8 compilations per function would otherwise silently send later
-    shapes back to eager, so the limits are raised to what the buckets can produce."""
-    if compile == "off":
-        return run_layer
-    cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, COMPILED_SHAPES)
-    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, COMPILED_SHAPES)
-    return torch.compile(run_layer, fullgraph=True, dynamic=False, mode=None if compile == "default" else compile)
 
 
 class CausalLMBase(nn.Module):
@@ -57,17 +41,17 @@ class CausalLMBase(nn.Module):
             self.lm_head.weight = self.model.embedding.weight
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn,
-                logits_at: torch.Tensor | None = None, token_conf: torch.Tensor | None = None) -> torch.Tensor:
+                logits_at: torch.Tensor | None = None, token_conf: torch.Tensor | None = None,
+                call: LayerCall = call_layer) -> torch.Tensor:
         """Logits [b, n, V]; with `logits_at` (an index [b, m] into the n positions) only those [b, m, V]
         (m = 0: the head does not run). attn: how attention runs (`mbd.model.attention`). token_conf [b, n]:
-        DMax's token merge (`merge_embeddings`)."""
+        DMax's token merge (`merge_embeddings`). call: how each decoder layer is called."""
         h = self.model.embedding(input_ids)
         if token_conf is not None:
             h = merge_embeddings(h, token_conf, self.model.embedding, self.cfg.mask_token_id)
         cos, sin = rope_cos_sin(position_ids, self.cfg.rotary_dim, self.cfg.rope_theta, h.dtype)
-        run = layer_runner(attn.compile)
         for i, layer in enumerate(self.model.layers):
-            h = run(layer, h, cos, sin, attn.layer(i))
+            h = call(layer, h, cos, sin, attn.layer(i))
         if logits_at is not None:
             if logits_at.shape[1] == 0:
                 return h.new_empty(h.shape[0], 0, self.cfg.vocab_size)

@@ -43,21 +43,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
     """Scaled dot-product attention [b,h,n,d] x [b,kvh,s,d] under a dense bool mask (SDPA, the reference) or a
-    FlexAttention BlockMask (training's dual-stream mask: compiled on GPU, eager on CPU)."""
+    FlexAttention BlockMask (training's dual-stream mask)."""
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    return flex_kernel("default" if q.is_cuda else "off")(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return training_flex(q.is_cuda)(q, k, v, block_mask=mask, enable_gqa=gqa)
 
 
 @functools.cache
-def flex_kernel(compile: str):
-    """flex_attention, eager ("off": it materialises the scores) or compiled into a fused kernel, one per mode."""
+def training_flex(cuda: bool):
+    """flex_attention for a training BlockMask: compiled on CUDA (a fused kernel: uncompiled it materialises the
+    scores, which a long dual-stream input cannot afford), eager on CPU."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if compile == "off":
-        return flex_attention
-    return torch.compile(flex_attention, dynamic=False, mode=None if compile == "default" else compile)
+    return torch.compile(flex_attention, dynamic=False) if cuda else flex_attention
 
 
 class SwiGLU(nn.Module):

@@ -2,9 +2,10 @@
 
 A query at absolute position p may see a key at position s iff s lies in the visible region of its
 row (s < visible[b]) and block(s) <= block(p); every token also sees itself so that no softmax row is
-empty (an empty row would turn into NaN and NaN * 0 still poisons other rows).
-The dense boolean form is the reference (SDPA); `PagedDecodeMask` states the same rule as a FlexAttention
-BlockMask over the KV page pool itself, never materialising an L x L tensor or gathering a row's keys.
+empty (an empty row would turn into NaN and NaN * 0 still poisons other rows). `block_causal` is that rule, the
+one definition: the dense boolean form (`block_causal_dense`, SDPA, the reference) evaluates it on index tensors,
+`PagedDecodeMask` inside a FlexAttention mask_mod over the KV page pool itself, never materialising an L x L tensor
+or gathering a row's keys.
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ from __future__ import annotations
 import torch
 
 
+def block_causal(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, block_size: int) -> torch.Tensor:
+    """May the query at position q see the key at position k (broadcasting tensors)? k visible and in q's block
+    or an earlier one, or k is q itself."""
+    return ((k < visible) & (k // block_size <= q // block_size)) | (k == q)
+
+
 def block_causal_dense(q_pos: torch.Tensor, kv_len: int, visible: torch.Tensor, block_size: int) -> torch.Tensor:
     """Dense mask [b, 1, n, kv_len] for queries at `q_pos` [b, n] against keys at positions 0..kv_len-1."""
     kv = torch.arange(kv_len, device=q_pos.device)
-    q = q_pos.unsqueeze(-1)
-    m = (kv < visible.view(-1, 1, 1)) & (kv // block_size <= q // block_size)
-    return (m | (kv == q)).unsqueeze(1)
+    return block_causal(q_pos.unsqueeze(-1), kv, visible.view(-1, 1, 1), block_size).unsqueeze(1)
 
 
 class PagedDecodeMask:
@@ -29,7 +34,7 @@ class PagedDecodeMask:
     region (or its own last position) as partial ones. The mask_mod is the whole truth on its own (eager flex
     evaluates it everywhere): it maps a physical key to the row's logical position through `logical`, the inverse
     of the row's page table (-1 where the row has not mapped the page, the scratch page always), and applies
-    the block-causal rule. A free row maps nothing and sees nothing (flex gives such a row zeros, not NaN).
+    `block_causal`. A free row maps nothing and sees nothing (flex gives such a row zeros, not NaN).
 
     Every tensor is allocated once for all rows and rewritten in place by `update` (from the committed lengths,
     the slot states and the page table), so the masks of every (batch rows, slots) shape are views that a
@@ -89,9 +94,7 @@ class PagedDecodeMask:
 
         def mask_mod(b, h, qi, ki):
             lp = logical[b, ki // P]
-            k = lp * P + ki % P
-            p = q_pos[b, qi]
-            return (lp >= 0) & (((k < visible[b]) & (k // B <= p // B)) | (k == p))
+            return (lp >= 0) & block_causal(q_pos[b, qi], lp * P + ki % P, visible[b], B)
 
         return BlockMask.from_kv_blocks(self.part_n[:rows], self.part_idx[:rows], self.full_n[:rows],
                                         self.full_idx[:rows], BLOCK_SIZE=(self.q_block(q), P), mask_mod=mask_mod,

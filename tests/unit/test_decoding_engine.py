@@ -215,20 +215,9 @@ def test_cuda_graph_replay_equals_eager():
     eager = Engine(model, None, dc, EngineConfig(max_batch_rows=4, attention="sdpa"))
     compiled = Engine(model, None, dc, EngineConfig(max_batch_rows=4, attention="flex", cuda_graphs="on"))
     a, b, c = graph.generate(PROMPTS), eager.generate(PROMPTS), compiled.generate(PROMPTS)
-    assert graph.runner._graphs and compiled.runner._graphs, "no graph was captured"
+    assert graph.runner.compiled.graphs and compiled.runner.compiled.graphs, "no graph was captured"
     assert [r.token_ids for r in a] == [r.token_ids for r in b] == [r.token_ids for r in c]
     assert [r.nfe for r in a] == [r.nfe for r in b] == [r.nfe for r in c]
-
-
-def test_runner_mask_equals_block_causal_dense():
-    model, _ = tempered_model("sdar")
-    runner = Engine(model, None, dcfg(), EngineConfig(max_batch_rows=3)).runner
-    lengths = torch.tensor([0, 8, 40])
-    pos = lengths[:, None] + torch.arange(12)
-    for n_res in ([0, 1, 3], [1, 2, 3], [3, 0, 2]):
-        visible = lengths + torch.tensor(n_res) * 4
-        for span in (64, runner.cache.size):
-            assert torch.equal(runner.mask(pos, visible, span), block_causal_dense(pos, span, visible, 4))
 
 
 def test_span_bucket_bounds():
@@ -272,7 +261,7 @@ def test_span_forward_equals_full_cache_forward():
     with torch.inference_mode():
         # a window of all n_buf slots starts at slot 0: logits of every position
         short = runner.forward(2, n_buf, n_buf, longest)[0].clone()
-        full = runner._dense_step(2, n_buf, n_buf, size, False)[0].clone()
+        full = runner._logits(2, n_buf, n_buf, runner._dense(2, n_buf, size, False))[0].clone()
         first = runner.forward(2, 1, 1, longest)[0]
     assert span_bucket(longest + n_buf * 4, size) < size
     torch.testing.assert_close(short, full, atol=1e-10, rtol=1e-10)

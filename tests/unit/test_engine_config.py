@@ -87,7 +87,7 @@ def test_knobs_reach_the_engine():
     eng = Engine(model, None, dc, EngineConfig(
         max_batch_rows=3, batch_buckets=[3], attention="flex", compile="off", prefill_budget=9, prefill_chunk=8,
         page_size=8, kv_cache_bytes=40 * page_bytes, prefix_caching=False, trace=True, cuda_graphs="off"))
-    assert (eng.runner.attention, eng.runner.compile, eng.runner.use_graphs) == ("flex", "off", False)
+    assert (eng.runner.attention, eng.runner.compiled) == ("flex", None)
     assert (eng.scheduler.buckets, eng.scheduler.prefill_budget, eng.runner.prefill_chunk) == ((3,), 8, 8)
     assert (eng.runner.cache.page_size, eng.runner.cache.num_pages, eng.kv.prefix_caching) == (8, 40, False)
     res = eng.generate([list(range(3, 20)), [5, 6]])
@@ -142,7 +142,7 @@ def test_paper_serve_configs_capture_few_graphs(name, graphs):
     so SDAR-8B's serve config (6 buckets, N_buf 4) captures 48 graphs and compiles 24 layer shapes, LLaDA2-Mini's
     (N_buf 2) 24 and 12 (for each of its two layer kinds); the memory plan counts the same graphs, all captured
     at start-up."""
-    from mbd.decoding.runner import decode_shapes
+    from mbd.decoding.compiled import decode_mode, decode_shapes
     from mbd.decoding.scheduler import power_of_two_buckets
     from mbd.plan import H100_80GB, serve_plan
     from mbd.plan_check import model_config, serve_shape
@@ -151,7 +151,7 @@ def test_paper_serve_configs_capture_few_graphs(name, graphs):
     engine, decode = serve.engine, serve.decode
     shapes = decode_shapes(engine.batch_buckets or power_of_two_buckets(engine.max_batch_rows), decode.buffer_size)
     assert len(shapes) == graphs <= 64 and len({(b, s) for b, s, _ in shapes}) == graphs // 2
-    assert engine.decode_path(torch.device("cuda")) == ("flex", "default", True)
+    assert decode_mode(engine, torch.device("cuda")) == ("flex", "default", True)
     mcfg, _ = model_config(serve.model.path)
     plan = serve_plan(mcfg, decode, serve_shape(engine, serve.model.tensor_parallel_size), H100_80GB)
     note = next(i.note for i in plan.items if i.name == "CUDA-Graph pools")

@@ -187,10 +187,10 @@ def test_reads_at_home_equal_gathered_reads():
     runner, kv = eng.runner, eng.kv
     runner.sync(eng.scheduler.decode_batch().layout)  # the device state the next forward would see
     assert kv.at_home(2)
-    args = (2, 3, 3, span_bucket(int(runner.cache.lengths.max()) + 3 * 4, runner.cache.size))
+    span = span_bucket(int(runner.cache.lengths.max()) + 3 * 4, runner.cache.size)
     with torch.inference_mode():
-        home = runner._dense_step(*args, home=True)[0].clone()
-        gathered = runner._dense_step(*args, home=False)[0]
+        home = runner._logits(2, 3, 3, runner._dense(2, 3, span, True))[0].clone()
+        gathered = runner._logits(2, 3, 3, runner._dense(2, 3, span, False))[0]
     assert torch.equal(home, gathered)
     # hits: copied home in a default pool (rows stay at home), shared by reference in a budgeted one (not home)
     for budget, home in ((None, True), (9 * KVCache.page_bytes(model.cfg, 16, torch.float64), False)):

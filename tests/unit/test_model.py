@@ -138,16 +138,21 @@ def expert(moe, e: int, x: torch.Tensor) -> torch.Tensor:
 def test_grouped_expert_dispatch_equals_the_loop():
     """bfloat16 runs the experts as grouped GEMMs over tokens sorted by expert (static shapes, no host sync);
     other dtypes run every expert weighted by the routing. Both equal the per-token loop over the chosen
-    experts, written here in float64 from the same (bf16) weights, with experts no token chose and a token
-    choosing adjacent experts."""
+    experts, written here in float64 from the same (bf16) weights, with experts no token chose (an empty group
+    inside the offsets and one at their end) and a token choosing adjacent experts."""
     cfg = tiny_cfg("llada2_moe")
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
     moe = build_model(cfg, seed=2).model.layers[1].mlp.to(torch.bfloat16)
     ref = copy.deepcopy(moe).double()
     x = torch.randn(37, cfg.hidden_size).bfloat16()
     with torch.no_grad():
-        idx, w = moe.gate(x)
-    idx[0] = torch.arange(cfg.num_experts_per_tok)  # adjacent experts
-    assert len(set(idx.flatten().tolist())) < cfg.num_experts or idx.shape[0] * idx.shape[1] > cfg.num_experts
+        _, w = moe.gate(x)
+    chosen = torch.tensor([e for e in range(E) if e not in (2, E - 1)])  # experts 2 and E - 1 get no token
+    g = torch.Generator().manual_seed(0)
+    idx = torch.stack([chosen[torch.randperm(len(chosen), generator=g)[:k]] for _ in range(37)])
+    idx[0] = torch.arange(k)  # adjacent experts
+    counts = torch.bincount(idx.flatten(), minlength=E)
+    assert counts[2] == counts[E - 1] == 0 and bool((counts[chosen] > 0).all())
     want = torch.stack([sum(float(w[t, j]) * expert(ref, int(idx[t, j]), x[t].double())
                             for j in range(idx.shape[1])) for t in range(37)])
     with torch.no_grad():
