@@ -60,3 +60,33 @@ def ref(ckpt):
     model, cfg = load_checkpoint(ckpt)
     tok = Tokenizer.from_dir(ckpt, cfg)
     return Engine(model, tok, DECODE, EngineConfig(max_batch_rows=SERVE_SLOTS)), tok
+
+
+def tiny_serve_config(ckpt, name: str, **sections: dict):
+    """The serve config of the tiny random checkpoint as the Serve tests run it (one engine thread, SERVE_SLOTS rows,
+    the reference engine's decode config, 16 tokens unless asked); `sections` replace whole top-level sections."""
+    from serve_app.config import ServeConfig
+    from tests.integration.test_serve_units import DECODE
+
+    return ServeConfig.model_validate({
+        "model": {"path": str(ckpt), "name": name, "num_cpus_per_rank": 0.1},
+        "engine": {"max_batch_rows": SERVE_SLOTS, "threads": 1},
+        "decode": DECODE.model_dump(),
+        "limits": {"default_max_tokens": 16},
+    } | sections)
+
+
+def serve_apps(**apps):
+    """Serve's HTTP proxy on a free port with each config of `apps` (name -> ServeConfig) at /name; yields the
+    proxy's URL once and shuts Serve down when resumed (a module fixture iterates it)."""
+    from ray import serve
+
+    from actors.tp_worker import free_port
+    from serve_app.app import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run_many([serve.RunTarget(build_app({"serve_config": cfg}), name=name, route_prefix=f"/{name}")
+                    for name, cfg in apps.items()])
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()

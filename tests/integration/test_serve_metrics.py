@@ -7,11 +7,9 @@ import json
 import httpx
 import pytest
 
-from actors.tp_worker import free_port
-from serve_app.config import ServeConfig
 from serve_app.metrics import NFE
-from tests.integration.conftest import SERVE_SLOTS as SLOTS
 from tests.integration.scrape import export_ports, poll, total
+from tests.integration.conftest import SERVE_SLOTS as SLOTS, serve_apps, tiny_serve_config
 from tests.integration.test_serve_units import DECODE
 
 MODEL = "mbd-metrics"
@@ -20,21 +18,8 @@ N_PLAIN, N_STREAM, N_REFUSED = 5, 3, 2
 
 @pytest.fixture(scope="module")
 def base(ray_cluster, ckpt):
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    port = free_port()
-    cfg = ServeConfig.model_validate({
-        "model": {"path": str(ckpt), "name": MODEL, "num_cpus_per_rank": 0.1},
-        "engine": {"max_batch_rows": SLOTS, "threads": 1},
-        "decode": DECODE.model_dump(),
-        "limits": {"default_max_tokens": 16},
-    })
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"serve_config": cfg}), name="metrics", route_prefix="/metrics-app")
-    yield f"http://127.0.0.1:{port}/metrics-app"
-    serve.delete("metrics")
+    for url in serve_apps(metrics=tiny_serve_config(ckpt, MODEL)):  # Serve shut down after the module
+        yield f"{url}/metrics"
 
 
 def _streamed(c: httpx.Client, url: str, body: dict) -> dict:
@@ -97,5 +82,6 @@ def test_counters_equal_what_was_served(base):
     assert 0 < total(s, "ray_mbd_active_blocks_per_forward", **m) <= SLOTS * DECODE.buffer_size
     assert 0 < total(s, "ray_mbd_block_buffer_occupancy", **m) <= 1
     assert total(s, "ray_mbd_engine_restarts_total", **m) == 0
-    assert all("replica" in lab and lab["model_name"] == MODEL for _, lab, _ in s if lab.get("model_name") == MODEL)
+    ours = [lab for _, lab, _ in s if lab.get("model_name") == MODEL]
+    assert ours and all("replica" in lab for lab in ours)
     assert {lab["deployment"] for _, lab, _ in s if lab.get("model_name") == MODEL} == {"OpenAIIngress", "Decoder"}

@@ -14,11 +14,9 @@ import httpx
 import openai
 import pytest
 
-from actors.tp_worker import free_port
 from mbd.tiny.vocab import special_token_ids
 from mbd.tokenizer import Tokenizer
-from serve_app.config import ServeConfig
-from tests.integration.conftest import SERVE_SLOTS as SLOTS
+from tests.integration.conftest import serve_apps, tiny_serve_config
 from tests.integration.test_serve_units import DECODE
 
 MODEL = "mbd-oai"
@@ -27,22 +25,10 @@ TIMEOUT = httpx.Timeout(120.0)
 
 @pytest.fixture(scope="module")
 def base(ray_cluster, ckpt):
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    port = free_port()
-    cfg = ServeConfig.model_validate({
-        "model": {"path": str(ckpt), "name": MODEL, "num_cpus_per_rank": 0.1},
-        "engine": {"max_batch_rows": SLOTS, "threads": 1},
-        "decode": DECODE.model_dump(),
-        "limits": {"default_max_tokens": 16},
-        "decoder": {"max_ongoing_requests": 32, "max_queued_requests": 256, "health_check_period_s": 2},
-    })
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"serve_config": cfg}), name="oai", route_prefix="/oai")
-    yield f"http://127.0.0.1:{port}/oai"
-    serve.shutdown()
+    cfg = tiny_serve_config(ckpt, MODEL, decoder={"max_ongoing_requests": 32, "max_queued_requests": 256,
+                                                  "health_check_period_s": 2})
+    for url in serve_apps(oai=cfg):  # Serve shut down after the module
+        yield f"{url}/oai"
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,7 @@ model; the number of cases is bounded (EXAMPLES per endpoint and mode)."""
 import httpx
 import pytest
 
-from actors.tp_worker import free_port
-from serve_app.config import ServeConfig
-from tests.integration.conftest import SERVE_SLOTS
+from tests.integration.conftest import serve_apps, tiny_serve_config
 from tests.integration.test_serve_units import DECODE
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -24,22 +22,11 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 @pytest.fixture(scope="module")
 def base(ray_cluster, ckpt):
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    port = free_port()
-    cfg = ServeConfig.model_validate({
-        "model": {"path": str(ckpt), "name": MODEL, "num_cpus_per_rank": 0.1},
-        "engine": {"max_batch_rows": SERVE_SLOTS, "threads": 1},
-        "decode": DECODE.model_copy(update={"max_new_tokens": 8}).model_dump(),
-        "limits": {"default_max_tokens": 4, "max_choices": 2},
-        "decoder": {"max_ongoing_requests": 32, "max_queued_requests": 256},
-    })
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"serve_config": cfg}), name="fuzz", route_prefix="/fuzz")
-    yield f"http://127.0.0.1:{port}/fuzz"
-    serve.shutdown()
+    cfg = tiny_serve_config(ckpt, MODEL, decode=DECODE.model_copy(update={"max_new_tokens": 8}).model_dump(),
+                            limits={"default_max_tokens": 4, "max_choices": 2},
+                            decoder={"max_ongoing_requests": 32, "max_queued_requests": 256})
+    for url in serve_apps(fuzz=cfg):  # Serve shut down after the module
+        yield f"{url}/fuzz"
 
 
 def server_checks(spec: dict, path: str) -> dict[str, str]:
