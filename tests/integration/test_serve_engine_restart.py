@@ -70,6 +70,15 @@ def _stats() -> dict:
     return serve.get_deployment_handle("Decoder", app_name="restart").stats.remote().result()
 
 
+def _restarted(before: dict, n: int) -> dict:
+    """The replica's stats once its engine process has restarted n times since `before` (a restart counts when the
+    new process is up, which is after the request that killed the old one was answered), or at RECOVERY_BOUND_S."""
+    deadline = time.monotonic() + RECOVERY_BOUND_S
+    while (after := _stats())["engine_restarts"] - before["engine_restarts"] < n and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return after
+
+
 def _engine(replica_pid: int) -> psutil.Process:
     (engine,) = [p for p in psutil.Process(replica_pid).children() if "actors.engine_process" in " ".join(p.cmdline())]
     return engine
@@ -154,7 +163,7 @@ def test_a_request_that_crashes_the_engine_gets_a_500_and_the_one_beside_it_succ
     assert poisonous.status_code == 500 and "retry-after" not in poisonous.headers, poisonous.text
     assert "running this request alone" in poisonous.json()["error"]["message"]
     assert innocent.status_code == 200 and innocent.json()["usage"]["completion_tokens"] == 8
-    after = _stats()
+    after = _restarted(before, 2)
     assert {k: after[k] - before[k] for k in ("engine_restarts", "quarantined", "lost_mid_stream")} == \
         {"engine_restarts": 2, "quarantined": 1, "lost_mid_stream": 0}
     assert after["pid"] == before["pid"] and after["streams"] == 0
