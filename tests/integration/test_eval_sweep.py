@@ -104,15 +104,19 @@ def test_fewshot_sweep_beside_zero_shot(ray_cluster, model_dir, tmp_path):
         stored = store.load("rand", "single", label)
         assert sorted(stored) == sorted(p.problem_id for p in split.scored)
         assert all(r.finish_reason != "prompt_too_long" for r in stored.values())
-    # what the decoder was sent: the exemplar turns, token-identical across problems, then the problem
+    # what the decoder was sent: the exemplar turns, token-identical across problems, then the problem as its
+    # zero-shot prompt (the template renders an exemplar answer inside the conversation, not as a final turn)
     units, _ = plan_units(cfg, {k: s.scored for k, s in splits.items()}, ResultStore(tmp_path / "empty"),
                           {k: s.exemplars for k, s in splits.items()})
     tok = Tokenizer.from_dir(model_dir, load_checkpoint(model_dir)[1])
     convs = [c for u in units if u.cell.benchmark == "tinymath+2shot" for c in u.prompts()]
-    prefix = tok.encode_chat(convs[0][:-1], add_generation_prompt=False)
-    assert len(convs) == 3 and all(tok.encode_chat(c)[: len(prefix)] == prefix for c in convs)
+    ids = [tok.encode_chat(c) for c in convs]
+    tails = [tok.encode_chat(c[-1:]) for c in convs]  # each problem as its zero-shot prompt
+    prefixes = [x[: len(x) - len(t)] for x, t in zip(ids, tails)]
+    assert len(convs) == 3 and all(x[len(p):] == t for x, p, t in zip(ids, prefixes, tails))
+    assert all(p == prefixes[0] for p in prefixes)
     assert [c[-1]["content"] for c in convs] == [p.prompt_text for p in few.scored]
-    assert len(prefix) > len(tok.encode_chat(convs[0][-1:]))  # the shared part outweighs a whole zero-shot prompt
+    assert len(prefixes[0]) > len(tails[0])  # the shared part outweighs a whole zero-shot prompt
 
     lookups = store.load_prefix_cache("rand", "single", "tinymath+2shot")
     assert sorted(i for u in lookups for i in u.problem_ids) == sorted(p.problem_id for p in few.scored)
