@@ -109,8 +109,10 @@ def weight_elements(cfg: ModelConfig, tp: int = 1) -> tuple[int, int]:
 
 
 def weight_bytes(cfg: ModelConfig, tp: int, dtype: torch.dtype) -> int:
-    """Bytes of one rank's weights as `load_checkpoint` casts them (every parameter and buffer in `dtype`)."""
-    return sum(weight_elements(cfg, tp)) * elem(dtype)
+    """Bytes of one rank's weights as `load_checkpoint` casts them: parameters in `dtype`, buffers (LLaDA2's expert
+    bias, which routing reads in float32 as `router_dtype` says) in float32."""
+    params, buffers = weight_elements(cfg, tp)
+    return params * elem(dtype) + buffers * elem(torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------- serving
