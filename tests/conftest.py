@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +18,14 @@ def pytest_configure(config):
     if not isolation_available():
         os.environ[UNSAFE_ENV] = "1"
         print(f"bubblewrap unavailable: code-execution tests run hook-only ({UNSAFE_ENV}=1); escape tests skip")
+
+
+def pytest_collection_modifyitems(config, items):
+    """pytest-xdist's groups (`--dist loadgroup`): every integration and e2e test is one group, so they run in one
+    worker on the session's one Ray cluster, while the other worker takes the unit tests a module at a time."""
+    for item in items:
+        group = "ray" if item.path.parent.name in ("integration", "e2e") else item.path.stem
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def tiny_cfg(family: str = "sdar", **kw):

@@ -18,6 +18,7 @@ from pipelines.quickstart import MBD, MBD_AS_SINGLEBD, QuickstartSummary, main
 from pipelines.stages import DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, load_config
 
 STEPS, PROBLEMS, CORPUS = 2, 6, 24
+SETS = ["eval.tps_problems=4", "eval.tps_rounds=2", "eval.trace_problems=4"]  # the side-by-side timing, shrunk
 EXTRA_ARGS: list[str] = []  # e.g. ["--base-model", DIR] to try the test against another checkpoint
 
 
@@ -25,7 +26,7 @@ EXTRA_ARGS: list[str] = []  # e.g. ["--base-model", DIR] to try the test against
 def run(ray_cluster, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("quickstart") / "run"
     argv = ["--run-dir", str(run_dir), "--steps", str(STEPS), "--problems", str(PROBLEMS), "--corpus", str(CORPUS),
-            "--no-progress", *EXTRA_ARGS]
+            "--no-progress", *(a for kv in SETS for a in ("--set", kv)), *EXTRA_ARGS]
     assert main(argv) == 0
     return run_dir, QuickstartSummary.model_validate_json((run_dir / "quickstart.json").read_text())
 
@@ -33,7 +34,7 @@ def run(ray_cluster, tmp_path_factory):
 def test_table_has_the_four_methods_with_finite_numbers(run):
     _, s = run
     assert [r.method for r in s.rows] == [SINGLEBD, MULTIBD_TF, MBD, MBD_AS_SINGLEBD]
-    ev = load_config(DEFAULT_CONFIG).eval
+    ev = load_config(DEFAULT_CONFIG, SETS).eval
     single, multi = len(ev.curve), len(ev.curve) + len(ev.multibd_curve)
     for r, curve_points in zip(s.rows, (single, multi, multi, single)):
         assert r.n == PROBLEMS
