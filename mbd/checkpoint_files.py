@@ -66,6 +66,8 @@ def tokenizer_eos(d: Path) -> int | None:
     added = _json(d / "tokenizer_config.json").get("added_tokens_decoder") or {}
     for i, tok in added.items():
         if isinstance(tok, dict) and tok.get("content") == text:
+            if not str(i).isdigit():
+                raise ConfigError(f"{d}: tokenizer_config.json added_tokens_decoder key {i!r} is not a token id")
             return int(i)
     if (d / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
@@ -79,10 +81,14 @@ def tokenizer_eos(d: Path) -> int | None:
 def read_chat_template(d: Path) -> str | None:
     """The chat template the checkpoint ships (chat_template.jinja wins, as in transformers), else None."""
     if (d / TEMPLATE_FILE).is_file():
-        return (d / TEMPLATE_FILE).read_text()
+        return (d / TEMPLATE_FILE).read_text(encoding="utf-8")
     t = _json(d / "tokenizer_config.json").get("chat_template")
     if isinstance(t, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+        named = {x.get("name"): x.get("template") for x in t if isinstance(x, dict)}
+        if "default" not in named:
+            raise ConfigError(f"{d}: tokenizer_config.json names chat templates {sorted(map(str, named))} but no "
+                              "'default' one, which a chat request would use")
+        t = named["default"]
     if t is not None and not isinstance(t, str):
         raise ConfigError(f"{d}: tokenizer_config.json chat_template must be a string or named templates")
     return t

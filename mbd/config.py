@@ -120,7 +120,7 @@ class ModelConfig(StrictModel):
         """Build from a HuggingFace config dict (every key checked by `mbd.hf_keys`); the family comes from
         `architectures`; the mask id, EOS and block size of a LLaDA2 config default to the family's documented
         ones (docs/models.md)."""
-        from mbd.hf_keys import READ, check_keys, lift_rope
+        from mbd.hf_keys import DEFAULTS, READ, check_keys, lift_rope
 
         archs = hf.get("architectures") or []
         family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
@@ -132,7 +132,7 @@ class ModelConfig(StrictModel):
             raise ConfigError(f"config.json model_type={hf['model_type']!r} does not match {archs!r} ({family})")
         hf = lift_rope(hf)
         check_keys(hf, family)
-        d = {k: v for k, v in hf.items() if k in READ[family] and v is not None}
+        d = DEFAULTS[family] | {k: v for k, v in hf.items() if k in READ[family] and v is not None}
         d.update(family=family, attention_bias=bool(d.pop("use_qkv_bias", d.get("attention_bias", False))))
         d.pop("architectures", None), d.pop("model_type", None)
         heads = d.get("num_attention_heads")

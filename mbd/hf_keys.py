@@ -7,7 +7,11 @@ Strict by default, so that a checkpoint this code cannot honour is refused by na
   pinned off);
 - PINNED: settings whose value the model code implements and no other (`use_bias: false`, `use_qk_norm: true`,
   sigmoid routing, no rope scaling, dropout 0, ...). A key absent from the file takes the reference config class's
-  default (ABSENT), which for LLaDA2's `use_bias` is true: such a config is refused as well.
+  default (ABSENT), which for LLaDA2's `use_bias` (true) and dropouts (0.1) is not the pinned value: such a config
+  is refused as well.
+- DEFAULTS: a read key absent from the file takes the reference config class's default, where it differs from
+  `ModelConfig`'s (LLaDA2MoeConfig: partial_rotary_factor 0.5, rms_norm_eps 1e-5; the authors' Diffulex SDARConfig:
+  max_position_embeddings 32768).
 Every other key is refused with its name and value.
 """
 
@@ -48,7 +52,12 @@ PINNED: dict[str, dict[str, Any]] = {
     },
 }
 # the reference config classes' defaults where they differ from the pinned value (LLaDA2MoeConfig: use_bias=True)
-ABSENT: dict[str, dict[str, Any]] = {"sdar": {}, "llada2_moe": {"use_bias": True}}
+ABSENT: dict[str, dict[str, Any]] = {"sdar": {}, "llada2_moe": {
+    "use_bias": True, "embedding_dropout": 0.1, "attention_dropout": 0.1, "output_dropout": 0.1}}
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "sdar": {"max_position_embeddings": 32768},
+    "llada2_moe": {"partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "max_position_embeddings": 16384},
+}
 
 
 def check_keys(hf: dict[str, Any], family: str) -> None:
@@ -101,7 +110,7 @@ def _derived_ok(hf: dict[str, Any], family: str, key: str, value: Any) -> bool:
         return False
     if key == "rotary_dim":
         head_dim = hf.get("head_dim") or hf.get("hidden_size", 0) // max(hf.get("num_attention_heads", 1), 1)
-        return value == int(head_dim * hf.get("partial_rotary_factor", 1.0))
+        return value == int(head_dim * hf.get("partial_rotary_factor", DEFAULTS[family]["partial_rotary_factor"]))
     if key == "moe_shared_expert_intermediate_size":  # the shared experts are moe_intermediate_size wide each
         return value is None or value == hf.get("moe_intermediate_size")
     return False

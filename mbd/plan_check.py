@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from mbd.checkpoint_files import read_model_config
 from mbd.config import REPO_ROOT, ConfigError, DecodeConfig, EngineConfig, ModelConfig, read_json, resolve_path
 from mbd.plan import H100_80GB, DeviceMemory, Plan, ServeShape, TrainShape, refuse_unless_fits, serve_plan, train_plan
 from mbd.train_config import TrainConfig
@@ -27,7 +28,7 @@ def model_config(path: str, override: str | None = None) -> tuple[ModelConfig, s
         return ModelConfig.from_hf(read_json(resolve_path(override))), override
     own = resolve_path(path) / "config.json"
     if own.is_file():
-        return ModelConfig.from_hf(read_json(own)), str(own)
+        return read_model_config(own.parent), str(own)
     name = Path(path).name.lower()
     for shape in sorted(SHAPES.glob("*-shape.json")):
         if shape.name.removesuffix("-shape.json") in name:

@@ -10,7 +10,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import Field, create_model
 
-from mbd.config import ModelConfig, read_json
+from mbd.checkpoint_files import read_model_config
 from serve_app import errors
 from serve_app.errors import RESPONSES
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, ModelList, prompt_type
@@ -73,7 +73,7 @@ def deployment_models(b: Bounds) -> tuple[type[CompletionRequest], type[ChatComp
 def bounds(ing: "OpenAIIngress") -> Bounds:
     """The deployment's bounds on requests: its serve config and its model's config.json."""
     cfg = ing.cfg
-    model = ModelConfig.from_hf(read_json(cfg.model.resolved_path() / "config.json"))
+    model = read_model_config(cfg.model.resolved_path())
     return Bounds(model=cfg.model.name, max_tokens=cfg.decode.max_new_tokens, buffer_size=cfg.decode.buffer_size,
                   max_temperature=cfg.limits.max_temperature, max_choices=cfg.limits.max_choices,
                   vocab_size=model.vocab_size, mask_id=model.mask_token_id)

@@ -21,7 +21,7 @@ import pytest
 
 from actors.engine_process import POISON_ENV
 from actors.tp_worker import free_port
-from mbd.config import ModelConfig, read_json
+from mbd.checkpoint_files import read_model_config
 from mbd.tokenizer import Tokenizer
 from serve_app.config import ServeConfig
 from tests.integration.stream_outcome import stream_outcome
@@ -45,7 +45,7 @@ def _config(ckpt) -> ServeConfig:
 
 @pytest.fixture(scope="module")
 def tok(ckpt) -> Tokenizer:
-    return Tokenizer.from_dir(ckpt, ModelConfig.from_hf(read_json(ckpt / "config.json")))
+    return Tokenizer.from_dir(ckpt, read_model_config(ckpt))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizer
 
 from mbd.chat_template import BUILTIN, ChatTemplate
 from mbd.checkpoint_files import read_chat_template
-from mbd.config import REPO_ROOT
+from mbd.config import REPO_ROOT, ConfigError
 from mbd.model import load_checkpoint
 from mbd.tokenizer import Tokenizer, TokenizerError
 from tests.conftest import tiny_cfg
@@ -82,6 +82,17 @@ def test_checkpoints_without_a_template_use_the_builtin():
     assert read_chat_template(TINY) is None
     ids = tok.encode_chat([{"role": "user", "content": "3*4+2*7-5"}])
     assert ids == tok.encode("<|im_start|>user\n3*4+2*7-5<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_named_templates_need_a_default_one(tmp_path):
+    """tokenizer_config.json's named templates: the "default" one is the chat template; without one the checkpoint
+    is refused (a chat request would have no template), never served with the built-in."""
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    assert read_chat_template(tmp_path) == "D"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named[:1]}))
+    with pytest.raises(ConfigError, match="'tool_use'.*no 'default'"):
+        read_chat_template(tmp_path)
 
 
 @pytest.mark.parametrize("content", [

@@ -142,9 +142,23 @@ def test_settings_that_change_the_computation_are_refused_by_name(family, key, v
     load_checkpoint(src)  # unchanged, it loads
 
 
-def test_absent_use_bias_takes_the_reference_default_and_is_refused():
-    with pytest.raises(ConfigError, match="states no 'use_bias'.*use_bias=True"):
-        ModelConfig.from_hf(changed(published("LLaDA2.0-mini"), use_bias=DROP))
+@pytest.mark.parametrize("key,default", [("use_bias", True), ("embedding_dropout", 0.1), ("attention_dropout", 0.1),
+                                         ("output_dropout", 0.1)])
+def test_an_absent_pinned_key_takes_the_reference_default_and_is_refused(key, default):
+    with pytest.raises(ConfigError, match=f"states no '{key}'.*{key}={default!r}"):
+        ModelConfig.from_hf(changed(published("LLaDA2.0-mini"), **{key: DROP}))
+
+
+def test_an_absent_read_key_takes_the_reference_classs_default_not_ours():
+    """LLaDA2MoeConfig's defaults (partial RoPE 0.5, eps 1e-5, 16,384 positions) and the authors' SDARConfig's
+    (32,768 positions), not ModelConfig's (1.0, 1e-6, 4,096)."""
+    hf = changed(published("LLaDA2.0-mini"), partial_rotary_factor=DROP, rms_norm_eps=DROP,
+                 max_position_embeddings=DROP)
+    hf.pop("rotary_dim", None)
+    cfg = ModelConfig.from_hf(hf)
+    assert (cfg.partial_rotary_factor, cfg.rms_norm_eps, cfg.max_position_embeddings) == (0.5, 1e-5, 16384)
+    assert ModelConfig.from_hf(changed(published("SDAR-8B-Chat"), max_position_embeddings=DROP)) \
+        .max_position_embeddings == 32768
 
 
 def test_rope_parameters_and_dtype_of_newer_transformers():
