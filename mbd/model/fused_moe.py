@@ -62,6 +62,19 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@torch.library.custom_op("mbd::grouped_mm", mutates_args=())
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm (rows of a [n, k] grouped by the ends `offs`, group g times b[g] [k, m]) as an op whose
+    fake kernel takes every dtype the CPU kernel takes: torch's own takes bfloat16 only, which fails a compiled
+    float32 layer. The "grouped_mm" path's inference; it has no backward, so training calls torch._grouped_mm."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm.register_fake
+def _(a, b, offs):
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
 @torch.library.custom_op("mbd::llada2_route", mutates_args=())
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
           norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -141,9 +141,10 @@ class LLaDA2Experts(nn.Module):
         ends = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(0, flat, ones)
         ends = ends.cumsum(0, dtype=torch.int32)
         xs = x[tok]
-        gate = torch._grouped_mm(xs, self.gate_proj.transpose(1, 2), offs=ends)
-        up = torch._grouped_mm(xs, self.up_proj.transpose(1, 2), offs=ends)
-        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        mm = torch._grouped_mm if torch.is_grad_enabled() else fused_moe.grouped_mm
+        gate = mm(xs, self.gate_proj.transpose(1, 2), offs=ends)
+        up = mm(xs, self.up_proj.transpose(1, 2), offs=ends)
+        y = mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
         y = y * w.flatten()[order].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(x).index_add_(0, tok, y)
 
