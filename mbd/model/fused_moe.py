@@ -81,6 +81,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: in
     """`LLaDA2Gate`'s routing in one kernel: fp32 logits of x [t, d] against weight [E, d], sigmoid scores, the
     fp32 expert bias steering the group-limited top-k, the chosen scores (normalised, scaled) as weights.
     Returns idx [t, top_k] int64, w [t, top_k] float32."""
+    x = x.contiguous()
     t, d = x.shape
     e = weight.shape[0]
     idx = torch.empty(t, top_k, dtype=torch.int64, device=x.device)

@@ -88,8 +88,9 @@ def align(eid_ptr, N, sorted_ptr, block_expert_ptr, P_MAX, NB_MAX, E: tl.constex
     end = tl.cumsum(padded, axis=0)
     start = end - padded
     total = tl.sum(padded, axis=0)
-    for p0 in range(0, P_MAX, CHUNK):
-        tl.store(sorted_ptr + p0 + offs, N, mask=p0 + offs < P_MAX)
+    fill = tl.arange(0, 8 * CHUNK)
+    for p0 in range(0, P_MAX, 8 * CHUNK):
+        tl.store(sorted_ptr + p0 + fill, N, mask=p0 + fill < P_MAX)
     for b0 in range(0, NB_MAX, CHUNK):  # a tile's expert: how many experts' runs end at or before its first row
         b = b0 + offs
         ex = tl.sum(((end[None, :] <= (b * BLOCK_M)[:, None]) & (ecols < E)[None, :]).to(tl.int32), axis=1)
