@@ -215,3 +215,45 @@ def test_moe_step_benchmark_reads_its_floor_and_compares_the_paths(interpret):
     assert m["floor_bytes"] == 4 * (m["experts_touched"] * 3 * ff * d + E * d + E + 3 * ff * d)
     assert 4 <= m["experts_touched"] <= 16
     assert m["fused_vs_grouped_mm"] < 1e-5
+
+
+def signatures(dt: str) -> dict[str, tuple[dict, dict, int]]:
+    """Each kernel's argument types, constexprs at LLaDA2-Mini's sizes (E 256, 8 groups, top-4 groups, k 8) and
+    warps, as `fused_moe` launches it in dtype `dt`."""
+    rows = dict(sorted_ptr="*i32", block_expert_ptr="*i32", n_copies="i32", D="i32", F="i32")
+    tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, WIDEN=False, PRECISION="ieee" if dt == "fp32" else "tf32")
+    return {
+        "route": (dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", bias_ptr="*fp32", idx_ptr="*i64", wt_ptr="*fp32", T="i32",
+                       D="i32", stride_x="i32", stride_w="i32", scale="fp32"),
+                  dict(E=256, E_PAD=256, G=8, G_PAD=8, TOPK_GROUP=4, K=8, K_PAD=8, NORM=True, BLOCK_T=16,
+                       BLOCK_D=64), 8),
+        "align": (dict(eid_ptr="*i64", N="i32", sorted_ptr="*i32", block_expert_ptr="*i32", P_MAX="i32",
+                       NB_MAX="i32"), dict(E=256, E_PAD=256, BLOCK_M=16, CHUNK=64), 8),
+        "gate_up": (dict(x_ptr=f"*{dt}", gate_ptr=f"*{dt}", up_ptr=f"*{dt}", h_ptr=f"*{dt}", **rows, stride_x="i32",
+                         s_we="i32", s_wn="i32", s_wk="i32", stride_h="i32"), dict(TOP_K=8, **tiles), 4),
+        "down": (dict(h_ptr=f"*{dt}", down_ptr=f"*{dt}", out_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32",
+                      route_w_ptr="*fp32", n_copies="i32", D="i32", F="i32", stride_h="i32", s_we="i32", s_wn="i32",
+                      s_wk="i32", stride_out="i32"), tiles, 4),
+        "combine": (dict(copies_ptr="*fp32", shared_ptr=f"*{dt}", out_ptr=f"*{dt}", T="i32", D="i32"),
+                    dict(TOP_K=8, HAS_SHARED=True, BLOCK_T=16, BLOCK_D=128), 4),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+def test_kernels_compile_for_an_h100_without_one(dt):
+    """Triton's whole GPU pipeline (TTIR, TTGIR, LLVM IR, PTX, ptxas to a cubin) for sm_90 on this CPU machine:
+    what the interpreter does not check (dot shapes and layouts, early returns, shared memory within the H100's
+    227 KiB per block). About a minute per dtype on 2 cores."""
+    triton = pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("the interpreter replaces the compiler in this process")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mbd.model import moe_kernels
+
+    for name, (sig, const, warps) in signatures(dt).items():
+        src = ASTSource(getattr(moe_kernels, name), {**sig, **{c: "constexpr" for c in const}}, const)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+        assert "cubin" in compiled.asm and compiled.metadata.shared <= 227 * 1024, name
