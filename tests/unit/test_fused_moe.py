@@ -177,6 +177,17 @@ def test_tiny_llada2_logits_fused_equal_the_dense_reference(interpret, monkeypat
     torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)
 
 
+def test_fused_moe_block_compiles_fullgraph(interpret):
+    """The fused ops are opaque to Dynamo (custom ops with fake kernels): an MoE block with them compiles fullgraph
+    (no graph break, as the compiled decode layer needs on CUDA) and gives the eager block's output."""
+    moe = build_model(tiny_cfg("llada2_moe"), seed=5).model.layers[1].mlp
+    h = torch.randn(1, 6, tiny_cfg("llada2_moe").hidden_size)
+    with torch.no_grad():
+        want = moe(h)
+        got = torch.compile(moe, fullgraph=True, backend="aot_eager")(h)
+    assert torch.equal(got, want)
+
+
 def test_every_dtype_takes_a_grouped_path(monkeypatch):  # runs in both processes
     """float16 and float32 no longer run every expert on every token: CPU inference and training take
     torch._grouped_mm, float64 the per-expert loop, and the tokens' sum equals the loop over chosen experts."""
