@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mbd.config import ModelConfig
+from mbd.model import fused_moe
 from mbd.model.base import CausalLMBase
 from mbd.model.layers import RMSNorm, SwiGLU, apply_rope
 from mbd.model.tp import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelHead
@@ -62,8 +63,13 @@ class LLaDA2Gate(nn.Module):
         self._buffers["expert_bias"] = bias.to(fn(bias[:0]).device)
         return self
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, path: fused_moe.Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [t, d] -> each token's chosen experts [t, k] and their weights [t, k] (float32); `path`: the MoE's
+        (default `fused_moe.expert_path`), "triton" running this in one kernel."""
         c = self.cfg
+        if (path or fused_moe.expert_path(x)) == "triton":
+            return fused_moe.route(x, self.weight, self.expert_bias, c.n_group, c.topk_group, c.num_experts_per_tok,
+                                   c.norm_topk_prob, c.routed_scaling_factor)
         scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [t, E]
         choice = scores + self.expert_bias.float()
         t = choice.shape[0]
@@ -81,10 +87,10 @@ class LLaDA2Gate(nn.Module):
 
 class LLaDA2Experts(nn.Module):
     """The routed experts' SwiGLU weights stacked over experts (each [E, out, in], HF's per-expert layout) so that
-    one grouped GEMM per projection runs every expert on its tokens, with static shapes and no host
-    synchronisation (CUDA Graph capturable, `fullgraph` compilable). Checkpoints keep HF's per-expert tensors
-    (`experts.{e}.gate_proj.weight`, ...): `checkpoint_parts` says which, `shard_` cuts the stack under TP (gate/up
-    column-parallel, down row-parallel along the expert's hidden dim)."""
+    grouped kernels run every expert on its tokens only, with static shapes and no host synchronisation (CUDA
+    Graph capturable, `fullgraph` compilable); `mbd.model.fused_moe` chooses the path. Checkpoints keep HF's
+    per-expert tensors (`experts.{e}.gate_proj.weight`, ...): `checkpoint_parts` says which, `shard_` cuts the
+    stack under TP (gate/up column-parallel, down row-parallel along the expert's hidden dim)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
@@ -111,16 +117,22 @@ class LLaDA2Experts(nn.Module):
         """This rank's part of the full stack [E, out, in] of parameter `name`."""
         return full.chunk(self.tp.world, dim=2 if name.endswith("down_proj") else 1)[self.tp.rank]
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [t, d]; idx, w [t, k]: each token's chosen experts and their weights -> sum_k w * expert(x), [t, d]
-        (this rank's partial sum under TP)."""
-        if x.dtype == torch.bfloat16:
-            return self._grouped(x, idx, w)
-        return self._dense(x, idx, w)
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, shared: SwiGLU | None = None,
+                path: fused_moe.Path | None = None) -> torch.Tensor:
+        """x [t, d]; idx, w [t, k]: each token's chosen experts and their weights -> sum_k w * expert(x) (+ the
+        shared expert's output), [t, d] (this rank's partial sum under TP). The shared expert is summed here so that
+        the fused path can overlap it with the routed experts. `path`: default `fused_moe.expert_path`, which
+        says the paths."""
+        path = path or fused_moe.expert_path(x)
+        if path == "triton":
+            ws = (shared.gate_up_proj.weight, shared.down_proj.weight) if shared is not None else (None, None)
+            return fused_moe.experts(x, idx, w, self.gate_proj, self.up_proj, self.down_proj, *ws)
+        y = self._grouped(x, idx, w) if path == "grouped_mm" else self._loop(x, idx, w)
+        return y if shared is None else y + shared(x)
 
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Token copies sorted by expert, one grouped GEMM per projection (each expert's weights read once), the
-        weighted results added back per token. torch._grouped_mm takes bfloat16 only."""
+        weighted results added back per token."""
         k = idx.shape[1]
         flat = idx.flatten()
         order = flat.argsort(stable=True)
@@ -129,18 +141,21 @@ class LLaDA2Experts(nn.Module):
         ends = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(0, flat, ones)
         ends = ends.cumsum(0, dtype=torch.int32)
         xs = x[tok]
-        gate = torch._grouped_mm(xs, self.gate_proj.transpose(1, 2), offs=ends)
-        up = torch._grouped_mm(xs, self.up_proj.transpose(1, 2), offs=ends)
-        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        mm = torch._grouped_mm if torch.is_grad_enabled() else fused_moe.grouped_mm
+        gate = mm(xs, self.gate_proj.transpose(1, 2), offs=ends)
+        up = mm(xs, self.up_proj.transpose(1, 2), offs=ends)
+        y = mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
         y = y * w.flatten()[order].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(x).index_add_(0, tok, y)
 
-    def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token, weighted by the routing (0 for experts not chosen): the same sum, with
-        E / k times the FLOPs; for float32 (tests, CPU references), which grouped GEMMs do not take."""
-        route = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device).scatter(1, idx, w.to(x.dtype))
-        h = F.silu(torch.einsum("td,efd->tef", x, self.gate_proj)) * torch.einsum("td,efd->tef", x, self.up_proj)
-        return torch.einsum("tef,edf,te->td", h, self.down_proj, route)
+    def _loop(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Each expert some token chose, on those tokens (host-side loop: float64 only, never compiled)."""
+        y = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            tok, j = (idx == e).nonzero(as_tuple=True)
+            h = F.silu(x[tok] @ self.gate_proj[e].t()) * (x[tok] @ self.up_proj[e].t())
+            y.index_add_(0, tok, (h @ self.down_proj[e].t()) * w[tok, j].unsqueeze(-1).to(x.dtype))
+        return y
 
 
 class LLaDA2SparseMoE(nn.Module):
@@ -158,9 +173,8 @@ class LLaDA2SparseMoE(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shape = h.shape
         x = h.reshape(-1, shape[-1])
-        y = self.experts(x, *self.gate(x))
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+        path = fused_moe.expert_path(x)
+        y = self.experts(x, *self.gate(x, path), self.shared_experts, path)
         return self.tp.all_reduce(y).view(shape)
 
 

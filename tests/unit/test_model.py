@@ -137,9 +137,9 @@ def expert(moe, e: int, x: torch.Tensor) -> torch.Tensor:
 
 def test_grouped_expert_dispatch_equals_the_loop():
     """bfloat16 runs the experts as grouped GEMMs over tokens sorted by expert (static shapes, no host sync);
-    other dtypes run every expert weighted by the routing. Both equal the per-token loop over the chosen
-    experts, written here in float64 from the same (bf16) weights, with experts no token chose (an empty group
-    inside the offsets and one at their end) and a token choosing adjacent experts."""
+    float64 the loop over the experts some token chose (`fused_moe.expert_path`). Both equal the per-token loop
+    over the chosen experts, written here in float64 from the same (bf16) weights, with experts no token chose (an
+    empty group inside the offsets and one at their end) and a token choosing adjacent experts."""
     cfg = tiny_cfg("llada2_moe")
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     moe = build_model(cfg, seed=2).model.layers[1].mlp.to(torch.bfloat16)
