@@ -10,7 +10,7 @@ core from its API server for the same reason).
 
 The replica (actors/engine_host.py `EngineHost`) starts `python -m actors.engine_process` with one end of a socket pair
 and talks to it through that one connection, in the messages of actors/messages.py. In: `Start` first, then
-`Add`, `Abort`, `AskStats`, `Stop`. Out: `Ready` once, then `Running` before a step whose requests changed,
+`Add`, `Abort`, `AskStats`, `Stop`. Out: `Ready` once, then `Running` before admitting requests and before a step whose requests changed,
 `Stepped` after a step that has something to say, `StatsReply` when asked, or `Failed` before exiting. The
 process ends on `Stop` or when the connection closes (the replica died: no engine outlives its replica).
 """
@@ -91,6 +91,8 @@ def serve(conn: Connection, start: Start) -> None:
                     trace.mark("-", "idle", time.perf_counter() - t)
                 asks = [op.ask for op in ops if isinstance(op, AskStats)]
                 ops = lock.exchange([op for op in ops if not isinstance(op, AskStats)])
+                if adds := tuple(op.request_id for op in ops if isinstance(op, Add)):  # admitting one can kill the
+                    conn.send(Running(running := lock.in_step() + adds))  # engine too (a grammar that panics)
                 refused = lock.apply(ops)
                 no = {r.request_id for r in refused}
                 for op in ops:
@@ -124,6 +126,12 @@ def serve(conn: Connection, start: Start) -> None:
             dist.destroy_process_group()
 
 
+def collective_failure(e: BaseException) -> bool:
+    """Whether `e` is a torch.distributed collective that failed (gloo's broken pair, NCCL's aborted
+    communicator): a tensor-parallel rank ended first, which says nothing of the requests in the step."""
+    return isinstance(e, dist.DistError) or isinstance(e, RuntimeError) and "gloo" in str(e).lower()
+
+
 def main() -> None:
     conn = Connection(int(os.environ.pop(FD_ENV)))
     try:
@@ -132,7 +140,7 @@ def main() -> None:
         pass
     except BaseException as e:  # noqa: BLE001 - the replica fails its requests and its health check with this
         try:
-            conn.send(Failed(repr(e)))
+            conn.send(Failed(repr(e), collective=collective_failure(e)))
         except OSError:
             pass
         sys.exit(1)

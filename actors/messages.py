@@ -122,9 +122,11 @@ class StatsReply:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The engine process raised and is exiting (its last message)."""
+    """The engine process raised and is exiting (its last message). collective: the exception is a failed
+    torch.distributed collective (a tensor-parallel rank ended first), so the step is not to blame."""
 
     message: str
+    collective: bool = False
 
 
 FromEngine = Union[Ready, Running, Stepped, StatsReply, Failed]

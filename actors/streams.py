@@ -8,7 +8,7 @@ import subprocess
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from actors.messages import Add
+from actors.messages import Add, Failed
 from mbd.decoding.outputs import StepOutput
 
 
@@ -36,6 +36,7 @@ class Exited:
     conn: Connection
     why: str
     in_step: tuple[str, ...]  # the requests of the step it was running (its last `Running`)
+    failed: Failed | None = None  # its last word, when it raised
 
 
 @dataclass

@@ -80,12 +80,12 @@ class IngressMetrics:
 
 class DecoderMetrics:
     """Per replica, from `actors.engine_process.engine_stats` as the engine steps (at most every ON_STEP_S) and
-    the host's restart counts: vLLM's running / waiting / KV use / preemptions / prefix-cache counters, and the
+    the host's restart and quarantine counts as they happen (`count`): vLLM's running / waiting / KV use / preemptions / prefix-cache counters, and the
     Block Buffer's active blocks per forward, buffer occupancy and the structured-output share of a step, each
     over the interval since the previous report."""
 
     COUNTED = {"preemptions": "preemptions", "prefix_query_tokens": "prefix_queries",
-               "prefix_hit_tokens": "prefix_hits", "engine_restarts": "restarts", "quarantined": "quarantined"}
+               "prefix_hit_tokens": "prefix_hits"}
 
     def __init__(self, model: str) -> None:
         def gauge(name: str, doc: str) -> Gauge:
@@ -126,3 +126,7 @@ class DecoderMetrics:
         for key, attr in self.COUNTED.items():
             _inc(getattr(self, attr), d[key])
         self._last = dict(stats)
+
+    def count(self, what: str, n: int) -> None:
+        """The host's supervision counts as they happen (`EngineHost` on_count): "restarts", "quarantined"."""
+        _inc({"restarts": self.restarts, "quarantined": self.quarantined}[what], n)

@@ -1,13 +1,21 @@
-"""The supervision policy of a decoder replica (actors/supervisor.py), as pure functions: which engine exits are
-evidence against the requests of the step, when a suspect is failed, and the restart back-off."""
+"""The supervision policy of a decoder replica (actors/supervisor.py): which engine exits are evidence against the
+requests of the step, when a suspect is failed, the restart back-off, and how the host tries suspects (one at a
+time, until their first step)."""
 
+import asyncio
 import pickle
+import queue
 import signal
+import threading
 
 import pytest
+import torch.distributed as dist
 
-from actors.messages import Abort, Add, Refusal, Running, Stepped
-from actors.supervisor import EngineRestarts, convicted, died_by_itself, exit_status
+from actors.engine_host import EngineHost
+from actors.engine_process import collective_failure
+from actors.messages import Abort, Add, Failed, Refusal, Running, Stepped
+from actors.streams import Counts, Next, Stream
+from actors.supervisor import EngineRestarts, convicted, died_by_itself, exit_status, rank_lost
 from mbd.config import DecodeConfig
 from mbd.decoding.outputs import StepOutput
 from mbd.decoding.validate import RequestError
@@ -49,3 +57,60 @@ def test_messages_cross_a_process_by_name():
     back = pickle.loads(pickle.dumps(msgs))
     assert back[0].params.max_new_tokens == 7 and back[0] == add and back[1:3] == msgs[1:3]
     assert back[3].outputs == [out] and back[3].refused[0].error.field == "max_tokens"
+
+
+def test_a_lost_rank_is_read_from_rank_0s_own_report():
+    """Rank 0's `Failed` decides: a failed collective (a rank ended first) is no evidence, any other exception is
+    (however soon the followers' loops end after it); only without a `Failed` does an ended rank count."""
+    never = lambda: pytest.fail("a Failed message decides alone")  # noqa: E731
+    assert rank_lost(Failed("RuntimeError('[gloo] Connection closed by peer')", collective=True), never)
+    assert not rank_lost(Failed("RuntimeError('poison')"), never)
+    assert rank_lost(None, lambda: True) and not rank_lost(None, lambda: False)
+    assert collective_failure(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
+                                           "by peer [127.0.0.1]:29500"))
+    assert collective_failure(dist.DistBackendError("NCCL communicator was aborted"))
+    assert not collective_failure(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not collective_failure(MemoryError())
+
+
+class _Conn:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, msg):
+        self.sent.append(msg.request_id)
+
+
+def _bare_host(suspected: list[str], waiting: list[str]) -> tuple[EngineHost, asyncio.AbstractEventLoop]:
+    """A host past a restart, without engine process or threads: what `_send_waiting` and `_publish` decide."""
+    host, loop = EngineHost.__new__(EngineHost), asyncio.new_event_loop()
+    host._lock, host._outbox, host._conn, host._solo, host.state = threading.Lock(), queue.SimpleQueue(), _Conn(), \
+        None, "restarting"
+    host.counts = Counts()
+    host._streams = {rid: Stream(loop, asyncio.Queue(), Add(rid, [1], DecodeConfig()), per_block=False,
+                                 suspected=1.0 if rid in suspected else None) for rid in suspected + waiting}
+    return host, loop
+
+
+def _step(host: EngineHost, *rids: str) -> None:
+    """One step's outputs (a token each) reach the host; it handles what they put in its outbox."""
+    host._publish([StepOutput(rid, [5], False, None, 1, 1) for rid in rids])
+    while not host._outbox.empty():
+        assert isinstance(host._outbox.get(), Next)
+        host._send_waiting()
+
+
+def test_suspects_are_tried_one_at_a_time_until_their_first_step_then_the_queue_drains():
+    host, loop = _bare_host(["b", "p"], ["c", "d"])
+    try:
+        assert host._send_waiting(restarted=True) == 1 and host._conn.sent == ["b"]
+        assert host._send_waiting() == 0  # b is on trial: nothing else goes
+        _step(host, "b")  # b survived its first step: cleared, p's trial begins beside it
+        assert host._conn.sent == ["b", "p"] and host._streams["b"].suspected is None
+        _step(host, "b")
+        assert host._conn.sent == ["b", "p"]
+        _step(host, "b", "p")  # p cleared: every waiting request goes, in order, and new ones go at once
+        assert host._conn.sent == ["b", "p", "c", "d"] and host._solo is None and host.state == "ok"
+        assert host.counts.readmitted == 4
+    finally:
+        loop.close()
