@@ -5,10 +5,15 @@ running Ray worker. docs/serving.md lists the names as the scrape shows them."""
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Any
+import types
+from typing import Annotated, Any, Iterator, Union, get_args, get_origin
 
+from pydantic import BaseModel
 from ray.serve.metrics import Counter, Gauge, Histogram
+
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 
 LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 TOKEN_LATENCY_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
@@ -27,9 +32,39 @@ def _inc(counter: Counter, n: float, tags: dict[str, str] | None = None) -> None
         counter.inc(n, tags=tags)
 
 
+def _paths(tp: Any, path: str) -> Iterator[str]:
+    """`path` and the field paths below it that a value of type `tp` has (list items as `[]`)."""
+    yield path
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        yield from _paths(args[0], path)
+    elif origin in (Union, types.UnionType):
+        for a in args:
+            yield from _paths(a, path)
+    elif origin in (list, tuple):
+        for a in args:
+            if a is not Ellipsis:
+                yield from _paths(a, f"{path}[]")
+    elif isinstance(tp, type) and issubclass(tp, BaseModel):
+        for name, f in tp.model_fields.items():
+            for key in {name, f.alias or name}:
+                yield from _paths(f.annotation, f"{path}.{key}" if path else key)
+
+
+@functools.cache
+def known_fields() -> frozenset[str]:
+    """Every field path of the request bodies (indices as `[]`), and "body": the only refusal tags there are."""
+    return frozenset(p for m in (CompletionRequest, ChatCompletionRequest) for p in _paths(m, "") if p) | {"body"}
+
+
 def field_tag(param: str | None) -> str:
-    """The refused field as a bounded tag value: indices dropped (`messages[3].role` -> `messages[].role`)."""
-    return re.sub(r"\[\d+\]", "[]", param) if param else "none"
+    """The refused field as a bounded tag value: indices dropped (`messages[3].role` -> `messages[].role`), and a
+    path the request models do not have (a client's own unknown key) as "unsupported_field", so that clients
+    cannot grow the metric's series without bound."""
+    if not param:
+        return "none"
+    path = re.sub(r"\[\d+\]", "[]", param)
+    return path if path in known_fields() else "unsupported_field"
 
 
 class IngressMetrics:

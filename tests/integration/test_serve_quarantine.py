@@ -92,7 +92,7 @@ def test_an_outside_kill_quarantines_nobody(ckpt, tok):
         return host._proc.pid
 
     async def scenario() -> list:
-        req = asyncio.create_task(_collect(host, tok.encode("1+1="), long, per_block=False))
+        req = asyncio.create_task(_collect(host, tok.encode("1+1="), LONG, per_block=False))
         pid = None
         for _ in range(2):
             pid = await in_a_new_engine(pid)
