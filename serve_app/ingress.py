@@ -44,6 +44,7 @@ from serve_app.protocol import (MASK_GLYPH, AssistantMessage, ChatChoice, ChatCh
 
 log = logging.getLogger("ray.serve")
 INLINE_COST = 1024  # characters or tokens (de)tokenized on the event loop; more go to the tokenizer pool
+MESSAGE_COST = 64  # a chat message's own cost in the chat template's render, however short its content
 HEALTH_TIMEOUT_S = 2.0  # how long /health waits for a decoder replica to say how its engine is
 
 
@@ -64,6 +65,12 @@ def _size(prompt: str | list) -> int:
     """Characters or token ids in a prompt field (a string, ids, or a list of either)."""
     return len(prompt) if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else \
         sum(_size(p) for p in prompt)
+
+
+def chat_cost(messages: list[dict[str, Any]]) -> int:
+    """What rendering and tokenizing a chat costs, in INLINE_COST's units: its characters, plus MESSAGE_COST per
+    message (the template loops over messages: 140k empty ones must not render on the event loop)."""
+    return sum(len(m["content"]) + MESSAGE_COST for m in messages)
 
 
 async def _first(gen: DeploymentResponseGenerator) -> StepOutput:
@@ -179,7 +186,7 @@ class OpenAIIngress:
         await self._limits()
         self.convert.check_chat(req)
         messages = self.convert.messages(req)
-        prompts = [await self._sync(sum(len(m["content"]) for m in messages), self.convert.encode_chat, messages)]
+        prompts = [await self._sync(chat_cost(messages), self.convert.encode_chat, messages)]
         choices = await self._start(rid, req, prompts)
 
         def logprobs(p: Piece) -> ChatLogprobs | None:
