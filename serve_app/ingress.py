@@ -31,7 +31,7 @@ from mbd.decoding.validate import EngineLimits, RequestError
 from mbd.detokenize import TextStream
 from mbd.tokenizer import Tokenizer
 from serve_app import sse
-from serve_app.choices import Choice, Piece, mbd_stats, merge, usage
+from serve_app.choices import Choice, Piece, latencies, mbd_stats, merge, usage
 from serve_app.config import ServeConfig
 from serve_app.convert import RequestConverter, bad_request
 from serve_app.errors import internal, overloaded, unavailable
@@ -73,9 +73,10 @@ def chat_cost(messages: list[dict[str, Any]]) -> int:
     return sum(len(m["content"]) + MESSAGE_COST for m in messages)
 
 
-async def _first(gen: DeploymentResponseGenerator) -> StepOutput:
-    """The stream's first item (a handle may raise BackPressureError before it returns an awaitable)."""
-    return await gen.__anext__()
+async def _first(gen: DeploymentResponseGenerator) -> tuple[StepOutput, float]:
+    """The stream's first item and when it arrived (a handle may raise BackPressureError before it returns an
+    awaitable)."""
+    return await gen.__anext__(), time.perf_counter()
 
 
 @serve.deployment
@@ -256,13 +257,14 @@ class OpenAIIngress:
             log.error("decoder unavailable: %r", failed)  # a failed or restarting replica: the client should retry
             raise unavailable("decoder unavailable; retry later", retry) from failed
         stops = req.stop_list()
-        return [Choice(ids[i], i, prompts[i // req.n], TextStream(self.tok, stops), g, g.cancel, first,
+        return [Choice(ids[i], i, prompts[i // req.n], TextStream(self.tok, stops), g, g.cancel, first, t_first,
                        self.trace)
-                for i, (g, first) in enumerate(opened)]  # type: ignore[misc]
+                for i, (g, (first, t_first)) in enumerate(opened)]  # type: ignore[misc]
 
     async def _open(self, prompt: list[int], params: DecodeConfig, per_block: bool, eid: str,
-                    constraint: ConstraintSpec | None = None) -> tuple[DeploymentResponseGenerator, StepOutput]:
-        """One engine request and its first output. A request whose replica is gone before answering (killed,
+                    constraint: ConstraintSpec | None = None
+                    ) -> tuple[DeploymentResponseGenerator, tuple[StepOutput, float]]:
+        """One engine request, its first output and when that arrived. A request whose replica is gone before answering (killed,
         lost with its node) is started again, on whichever replica Serve routes it to, up to
         decoder.replica_retries times (under a fresh id: a replica that only looked dead may still hold it)."""
         attempt = 0
@@ -311,10 +313,9 @@ class OpenAIIngress:
 
     def _record(self, choices: list[Choice], prompts: list[list[int]], t0: float) -> None:
         u, t = usage(prompts, choices), time.perf_counter()
-        first = min(c.t_first for c in choices)
-        later = sum(max(0, c.last.num_generated - len(c.first.new_token_ids)) for c in choices)
-        self.metrics.finished(u.prompt_tokens, u.completion_tokens, sum(c.last.nfe for c in choices), first - t0,
-                              t - t0, later)
+        ttft, itl = latencies(choices, t0)
+        self.metrics.finished(u.prompt_tokens, u.completion_tokens, sum(c.last.nfe for c in choices), ttft, t - t0,
+                              itl)
 
     def _text(self, token_id: int) -> str:
         return self.tok.decode([token_id], skip_special_tokens=False)

@@ -86,8 +86,8 @@ class IngressMetrics:
         self.generation_tokens = counter("mbd_generation_tokens", "generated tokens of completed requests")
         self.ttft = histogram("mbd_time_to_first_token_seconds", "arrival to the first committed tokens reaching "
                               "the ingress (a non-streamed request gets them all at once)", LATENCY_S)
-        self.itl = histogram("mbd_inter_token_latency_seconds", "per request: time after the first tokens / the "
-                             "tokens that followed them", TOKEN_LATENCY_S)
+        self.itl = histogram("mbd_inter_token_latency_seconds", "per choice: time from its first tokens to its "
+                             "last / the tokens that followed the first", TOKEN_LATENCY_S)
         self.e2e = histogram("mbd_e2e_request_latency_seconds", "arrival to the last token", LATENCY_S)
         self.tpf = histogram("mbd_tokens_per_forward", "tokens per forward (TPF) of a request", TPF)
         self.nfe = histogram("mbd_forwards_per_request", "model forwards (NFE) of a request", NFE)
@@ -100,14 +100,15 @@ class IngressMetrics:
             self.refused.inc(tags={"status": str(status), "field": field_tag(param)})
 
     def finished(self, prompt_tokens: int, generation_tokens: int, nfe: int, ttft_s: float, e2e_s: float,
-                 later_tokens: int) -> None:
-        """One completed request (all its choices): `later_tokens` arrived after the first ones, over e2e - ttft."""
+                 itl_s: list[float]) -> None:
+        """One completed request (all its choices): its TTFT and e2e latency, and each choice's inter-token
+        latency (`choices.latencies`)."""
         _inc(self.prompt_tokens, prompt_tokens)
         _inc(self.generation_tokens, generation_tokens)
         self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)
-        if later_tokens > 0:
-            self.itl.observe((e2e_s - ttft_s) / later_tokens)
+        for x in itl_s:
+            self.itl.observe(x)
         if nfe:
             self.tpf.observe(generation_tokens / nfe)
             self.nfe.observe(nfe)
