@@ -16,12 +16,19 @@ from actors.engine_process import collective_failure
 from actors.messages import Abort, Add, Failed, Refusal, Running, Stepped
 from actors.streams import Counts, Next, Stream
 from actors.supervisor import EngineRestarts, convicted, died_by_itself, exit_status, rank_lost
-from mbd.config import DecodeConfig
+from actors.tp_worker import Lockstep
+from mbd.config import DecodeConfig, EngineConfig
+from mbd.decoding import Engine
 from mbd.decoding.outputs import StepOutput
 from mbd.decoding.validate import RequestError
+from mbd.model import build_model
+from serve_app.config import ServeConfig
+from serve_app.convert import RequestConverter
+from serve_app.protocol import CompletionRequest
+from tests.conftest import tiny_cfg
 
 
-@pytest.mark.parametrize("code, by_host, rank_lost, want", [
+@pytest.mark.parametrize("code, by_host, lost, want", [
     (70, False, False, True),  # an exception or os._exit: its own
     (-signal.SIGSEGV, False, False, True),  # a fault in a kernel or an extension
     (-signal.SIGABRT, False, False, True),
@@ -30,8 +37,8 @@ from mbd.decoding.validate import RequestError
     (1, True, False, False),  # the host killed it (a broken connection, a lost rank seen by the health check)
     (1, False, True, False),  # a rank ended first: rank 0's collective failed
 ])
-def test_died_by_itself(code, by_host, rank_lost, want):
-    assert died_by_itself(code, by_host, rank_lost) is want
+def test_died_by_itself(code, by_host, lost, want):
+    assert died_by_itself(code, by_host, lost) is want
 
 
 def test_a_suspect_is_convicted_only_alone_and_within_the_window():
@@ -49,14 +56,30 @@ def test_restart_backoff_and_exit_status():
 
 
 def test_messages_cross_a_process_by_name():
-    """`max_tokens` becomes `Add.params.max_new_tokens` and comes back as a finish_reason "length" output;
-    every message survives pickling (the engine process's connection) with its fields."""
-    add = Add("r1", [1, 2, 3], DecodeConfig(max_new_tokens=7))
-    out = StepOutput("r1", [5] * 7, True, "length", 3, 7)
-    msgs = [add, Abort("r1"), Running(("r1",)), Stepped([out], [Refusal("r2", RequestError("max_tokens", "x"))], None)]
-    back = pickle.loads(pickle.dumps(msgs))
-    assert back[0].params.max_new_tokens == 7 and back[0] == add and back[1:3] == msgs[1:3]
-    assert back[3].outputs == [out] and back[3].refused[0].error.field == "max_tokens"
+    """`max_tokens` followed by name from the HTTP body to the engine and back: the ingress's RequestConverter
+    makes it `params.max_new_tokens` of an `Add`, which crosses the process boundary (pickled), and the engine
+    process's Lockstep hands it to a real Engine; its outputs come back in a `Stepped` with 7 tokens and
+    finish_reason "length"."""
+    model = build_model(tiny_cfg(), seed=0).eval()
+    decode = DecodeConfig(buffer_size=2, max_length=200, max_new_tokens=64, max_nfe=400, tau_add=0.25, tau_semi=0.5,
+                          tau_m2t=0.3)
+    engine = Engine(model, None, decode, EngineConfig(max_batch_rows=2))
+    convert = RequestConverter(ServeConfig.model_validate({"model": {"path": "tiny", "name": "m"},
+                                                           "decode": decode.model_dump()}), tok=None)
+    convert.limits = engine.limits
+    req = CompletionRequest.model_validate({"model": "m", "prompt": [5, 6, 7], "max_tokens": 7, "ignore_eos": True})
+    add = Add("r1", req.prompt, convert.params(req, len(req.prompt)))
+    crossed = pickle.loads(pickle.dumps(add))
+    assert crossed == add and crossed.params.max_new_tokens == 7
+    lock, outs = Lockstep(engine, 1, None), []
+    assert lock.apply([crossed]) == []
+    while engine.has_unfinished():
+        outs += pickle.loads(pickle.dumps(Stepped(lock.step(), [], None))).outputs
+    assert [o.finish_reason for o in outs if o.finished] == ["length"]
+    assert sum(len(o.new_token_ids) for o in outs) == 7 and outs[-1].num_generated == 7
+    assert lock.live == set()
+    back = pickle.loads(pickle.dumps([Abort("r1"), Running(("r1",)), Refusal("r2", RequestError("max_tokens", "x"))]))
+    assert back[:2] == [Abort("r1"), Running(("r1",))] and back[2].error.field == "max_tokens"
 
 
 def test_a_lost_rank_is_read_from_rank_0s_own_report():
