@@ -1,6 +1,6 @@
 """Quarantine by evidence, with the engine host driven in-process against the real engine: a poisonous request
-(one whose prompt holds `POISON`: the test-only `engine_process.POISON_ENV` makes the engine process raise when a
-step runs it) is failed only after its trial (beside none but cleared requests) kills the engine again; the
+(one whose prompt holds `POISON`: tests/integration/poison.py makes the engine process raise when a step runs
+it) is failed only after its trial (beside none but cleared requests) kills the engine again; the
 innocent requests of its step,
 and those queued beside it, complete with the tokens the engine gives them alone; an outside SIGKILL quarantines
 nobody; a replica that gives up fails a suspect with RequestQuarantined, never EngineDead (which the ingress
@@ -13,13 +13,13 @@ import signal
 import pytest
 
 from actors.engine_host import EngineHost
-from actors.engine_process import POISON_ENV
 from actors.messages import EngineDead, RequestQuarantined
 from actors.supervisor import EngineRestarts
 from mbd.config import DecodeConfig
 from mbd.decoding import Engine, EngineConfig
 from mbd.decoding.model_spec import ModelSpec
 from mbd.model import load_checkpoint
+from tests.integration.poison import POISON_ENV, SITE
 from tests.integration.test_serve_units import DECODE, _collect, _Log, ckpt, tok  # noqa: F401 - fixtures
 
 POISON = "7777"
@@ -31,6 +31,7 @@ LONG = DECODE.model_copy(update={"max_new_tokens": 200, "tau_m2t": 1.0, "ignore_
 def poisoned(monkeypatch, tok) -> None:
     """Engine processes started from now on crash on a step that runs a prompt holding POISON."""
     monkeypatch.setenv(POISON_ENV, ",".join(map(str, tok.encode(POISON))))
+    monkeypatch.syspath_prepend(SITE)  # engine processes inherit this process's path
 
 
 def _host(ckpt, rows: int, restarts: EngineRestarts) -> EngineHost:
