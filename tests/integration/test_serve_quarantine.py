@@ -45,7 +45,7 @@ def _alone(ckpt, tok, prompts: list[tuple[str, DecodeConfig]]) -> list[list[int]
     return [ref.generate([tok.encode(p)], params)[0].token_ids for p, params in prompts]
 
 
-def test_innocent_requests_beside_a_poisonous_one_complete_and_it_fails_after_its_solitary_rerun(ckpt, tok, poisoned):
+def test_innocent_requests_beside_a_poisonous_one_complete_and_it_fails_after_its_trial(ckpt, tok, poisoned):
     """Two rows: the innocent B (a long run) and the poisonous P share the step that kills the engine (both
     suspects), C waits for a row (not in the step). B is tried first and cleared by its first step; P's trial
     beside it kills the engine again: P is failed with RequestQuarantined, B stays innocent (kept, tried and
