@@ -19,10 +19,10 @@ requests in their order; meanwhile the host is "restarting" and requests that ar
 the engine died by itself in a step (actors/supervisor.py), the requests of that step are suspects, tried one at a
 time before anything else is sent: a suspect runs beside none but those already cleared, and is cleared once its
 first output arrives (it survived a step); one whose trial kills the engine again is failed with
-`RequestQuarantined`, and the others of that step stay innocent. A crash loop stops: the k-th exit within `EngineRestarts.window_s` is restarted after a
-back-off, up to `limit` restarts; then the host is "failed", its health check fails and Serve replaces the
-replica. vLLM's V1 server treats a dead engine core as fatal and leaves the restart to its orchestrator; here the
-replica owns the engine process, so it restarts it itself.
+`RequestQuarantined`, and the others of that step stay innocent. A crash loop stops: the k-th exit within
+`EngineRestarts.window_s` is restarted after a back-off, up to `limit` restarts; then the host is "failed", its
+health check fails and Serve replaces the replica. vLLM's V1 server treats a dead engine core as fatal and leaves
+the restart to its orchestrator; here the replica owns the engine process, so it restarts it itself.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class EngineHost:
         self.spec, self.decode, self.engine, self.restarts = spec, decode, engine, restarts
         self.startup_timeout_s = startup_timeout_s
         self._on_step, self._on_count = on_step, on_count
-        self._lock = threading.Lock()  # the streams, the state, the solitary re-run and the stats questions
+        self._lock = threading.Lock()  # the streams, the state, the suspect on trial and the stats questions
         self._streams: dict[str, Stream] = {}  # in arrival order: kept requests are re-admitted in it
         self._outbox: queue.SimpleQueue[ToEngine | Exited | Next] = queue.SimpleQueue()
         self._asks: dict[int, queue.SimpleQueue] = {}
@@ -148,10 +148,11 @@ class EngineHost:
             self.counts.lost += len(lost)
         self._count("quarantined", len(guilty))
         hand_over([(s, EngineDead(f"the engine process exited mid-stream ({status})")) for s in lost] + [
-            (s, RequestQuarantined(f"the engine died by itself ({status}) running this request alone, after it had "
-                                   "died with it in the step before; it is not run again")) for s in guilty])
+            (s, RequestQuarantined(f"the engine died by itself ({status}) on this request's trial (beside none but "
+                                   "requests already cleared), after it had died with it in the step before; it is "
+                                   "not run again")) for s in guilty])
         log.error("engine process %d exited (%s; %s; %s): %d stream(s) that had produced output failed, %d "
-                  "request(s) quarantined, %d suspect(s) to re-run alone, %d request(s) kept for a new engine "
+                  "request(s) quarantined, %d suspect(s) to try, %d request(s) kept for a new engine "
                   "process", ex.proc.pid, status, ex.why, "by itself in a step" if by_itself else "not by itself",
                   len(lost), len(guilty), len(suspects) - len(guilty), kept)
         return self._restart(ex.why)
@@ -190,7 +191,7 @@ class EngineHost:
         self._reader = self._start_reader(new.proc, new.conn)
         n = self._send_waiting(restarted=True)
         log.warning("engine process restarted (pid %d) %.1f s after the exit; %d request(s) re-admitted in order "
-                    "(a suspect alone first, else the kept ones, then those that arrived meanwhile)", new.proc.pid,
+                    "(a suspect on trial first, else the kept ones, then those that arrived meanwhile)", new.proc.pid,
                     time.monotonic() - t0, n)
         return True
 

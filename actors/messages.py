@@ -29,8 +29,8 @@ class EngineDead(RuntimeError):
 
 
 class RequestQuarantined(RuntimeError):
-    """The request was in the engine's step each time the engine died by itself, the last time alone: it is not
-    run again, here or on another replica (it would take that engine down as well)."""
+    """The request was in the engine's step each time the engine died by itself, the last time on its trial: it
+    is not run again, here or on another replica (it would take that engine down as well)."""
 
 
 # ---- replica -> engine process (and rank 0 -> ranks 1..) ----

@@ -264,8 +264,8 @@ class OpenAIIngress:
     async def _open(self, prompt: list[int], params: DecodeConfig, per_block: bool, eid: str,
                     constraint: ConstraintSpec | None = None
                     ) -> tuple[DeploymentResponseGenerator, tuple[StepOutput, float]]:
-        """One engine request, its first output and when that arrived. A request whose replica is gone before answering (killed,
-        lost with its node) is started again, on whichever replica Serve routes it to, up to
+        """One engine request, its first output and when that arrived. A request whose replica is gone before
+        answering (killed, lost with its node) is started again, on whichever replica Serve routes it to, up to
         decoder.replica_retries times (under a fresh id: a replica that only looked dead may still hold it)."""
         attempt = 0
         while True:

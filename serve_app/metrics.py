@@ -116,9 +116,9 @@ class IngressMetrics:
 
 class DecoderMetrics:
     """Per replica, from `actors.engine_process.engine_stats` as the engine steps (at most every ON_STEP_S) and
-    the host's restart and quarantine counts as they happen (`count`): vLLM's running / waiting / KV use / preemptions / prefix-cache counters, and the
-    Block Buffer's active blocks per forward, buffer occupancy and the structured-output share of a step, each
-    over the interval since the previous report."""
+    the host's restart and quarantine counts as they happen (`count`): vLLM's running / waiting / KV use /
+    preemptions / prefix-cache counters, and the Block Buffer's active blocks per forward, buffer occupancy and the
+    structured-output share of a step, each over the interval since the previous report."""
 
     COUNTED = {"preemptions": "preemptions", "prefix_query_tokens": "prefix_queries",
                "prefix_hit_tokens": "prefix_hits"}

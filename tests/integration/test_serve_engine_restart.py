@@ -4,7 +4,7 @@ and its engine process is SIGKILLed mid-load. Counted: only streams that had pro
 succeeds (none gets a 503); the same replica restarts its engine once and serves every request started after the
 kill, within a generous bound; /health says "restarting" meanwhile and answers 200 throughout; and no engine
 process outlives its replica. A request that itself crashes the engine (tests/integration/poison.py, set up for
-the replica here) gets a 500 after its solitary re-run crashed it again (not a retry), while the request beside
+the replica here) gets a 500 after its trial crashed it again (not a retry), while the request beside
 it succeeds. The crash-loop case (restarts that fail until the replica gives up) is
 tests/integration/test_serve_units.py::test_a_crash_loop_stops_and_fails_the_health_check."""
 
@@ -147,9 +147,9 @@ async def _scenario(base: str, replica_pid: int) -> tuple[list, list, float, flo
 
 def test_a_request_that_crashes_the_engine_gets_a_500_and_the_one_beside_it_succeeds(base):
     """A poisonous and an innocent non-streaming request sent together: the engine dies by itself (it raises)
-    with the poisonous one in its step; each suspect is re-run alone; the poisonous one kills the engine again and
-    is failed: HTTP 500 without Retry-After, naming why, not retried by the ingress; the innocent one gets its 200;
-    two restarts, one quarantined request, no stream lost."""
+    with the poisonous one in its step; the suspects are tried one at a time; the poisonous one kills the engine
+    again and is failed: HTTP 500 without Retry-After, naming why, not retried by the ingress; the innocent one
+    gets its 200; two restarts, one quarantined request, no stream lost."""
     before = _stats()
     bodies = [{"model": "mbd-test", "prompt": f"1+{POISON}=", "max_tokens": 8},
               {"model": "mbd-test", "prompt": "2+2=", "max_tokens": 8}]
@@ -162,7 +162,7 @@ def test_a_request_that_crashes_the_engine_gets_a_500_and_the_one_beside_it_succ
         t.join(RECOVERY_BOUND_S)
     poisonous, innocent = replies[0], replies[1]
     assert poisonous.status_code == 500 and "retry-after" not in poisonous.headers, poisonous.text
-    assert "running this request alone" in poisonous.json()["error"]["message"]
+    assert "on this request's trial" in poisonous.json()["error"]["message"]
     assert innocent.status_code == 200 and innocent.json()["usage"]["completion_tokens"] == 8
     after = _restarted(before, 2)
     assert {k: after[k] - before[k] for k in ("engine_restarts", "quarantined", "lost_mid_stream")} == \

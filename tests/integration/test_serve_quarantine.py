@@ -62,7 +62,7 @@ def test_innocent_requests_beside_a_poisonous_one_complete_and_it_fails_after_it
     try:
         with _Log() as logged:
             got_b, got_p, got_c = asyncio.run(scenario())
-        assert isinstance(got_p, RequestQuarantined) and "running this request alone" in str(got_p)
+        assert isinstance(got_p, RequestQuarantined) and "on this request's trial" in str(got_p)
         assert [t for o in got_b for t in o.new_token_ids] == want_b
         assert [t for o in got_c for t in o.new_token_ids] == want_c
         s = host.stats()
@@ -71,8 +71,8 @@ def test_innocent_requests_beside_a_poisonous_one_complete_and_it_fails_after_it
             (2, 1, 0, 5, 4)
         exits = [line for line in logged.lines if "exited (" in line]
         assert len(exits) == 2 and all("exit code 1; RuntimeError" in e and "by itself in a step" in e for e in exits)
-        assert "0 request(s) quarantined, 2 suspect(s) to re-run alone, 3 request(s) kept" in exits[0]
-        assert "1 request(s) quarantined, 0 suspect(s) to re-run alone, 2 request(s) kept" in exits[1]
+        assert "0 request(s) quarantined, 2 suspect(s) to try, 3 request(s) kept" in exits[0]
+        assert "1 request(s) quarantined, 0 suspect(s) to try, 2 request(s) kept" in exits[1]
         host.check()
         assert host.engine_state() == "ok"
     finally:
