@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from actors.engine_host import EngineHost
 from actors.engine_process import collective_failure
-from actors.messages import Abort, Add, Failed, Refusal, Running, Stepped
+from actors.messages import Abort, Add, EngineDead, Failed, Refusal, Running, Stepped
 from actors.streams import Counts, Next, Stream
 from actors.supervisor import EngineRestarts, convicted, died_by_itself, exit_status, rank_lost
 from actors.tp_worker import Lockstep
@@ -135,5 +135,30 @@ def test_suspects_are_tried_one_at_a_time_until_their_first_step_then_the_queue_
         _step(host, "b", "p")  # p cleared: every waiting request goes, in order, and new ones go at once
         assert host._conn.sent == ["b", "p", "c", "d"] and host._solo is None and host.state == "ok"
         assert host.counts.readmitted == 4
+    finally:
+        loop.close()
+
+
+def test_a_supervisor_that_fails_gives_up_and_the_health_check_says_so():
+    """An unexpected exception in the supervisor thread fails the host (its requests get EngineDead) instead of
+    leaving it "restarting" for ever; a supervisor thread that is gone fails the health check even so."""
+    host, loop = _bare_host([], ["a"])
+    host._workers, host._stopping, host.state = [], threading.Event(), "ok"
+    host._reader = host._supervisor = threading.Thread(target=lambda: None)
+    host._reader.start()
+    host._reader.join()
+    try:
+        with pytest.raises(EngineDead, match="supervisor thread has stopped"):
+            host.check()
+
+        def broken(item):
+            raise KeyError("a bug")
+
+        host._handle = broken
+        host._outbox.put(Next())
+        host._supervise()  # returns: it gave up
+        assert host.state == "failed" and host._streams == {}
+        with pytest.raises(EngineDead, match="the engine supervisor failed: KeyError"):
+            host.check()
     finally:
         loop.close()
