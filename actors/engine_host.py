@@ -16,12 +16,13 @@ a rare request), and replacing the whole replica would repeat the model load and
 the exit status, fails the streams that had produced output (their clients get a clean error event), keeps every
 other request, starts a new engine process (and TP ranks) with the same configuration and re-admits the kept
 requests in their order; meanwhile the host is "restarting" and requests that arrive wait with the kept ones. When
-the engine died by itself in a step (actors/supervisor.py), the requests of that step are suspects: each is
-re-run alone before anything else is sent, and one whose solitary run kills the engine again is failed with
-`RequestQuarantined`. A crash loop stops: the k-th exit within `EngineRestarts.window_s` is restarted after a
-back-off, up to `limit` restarts; then the host is "failed", its health check fails and Serve replaces the
-replica. vLLM's V1 server treats a dead engine core as fatal and leaves the restart to its orchestrator; here the
-replica owns the engine process, so it restarts it itself.
+the engine died by itself in a step (actors/supervisor.py), the requests of that step are suspects, tried one at a
+time before anything else is sent: a suspect runs beside none but those already cleared, and is cleared once its
+first output arrives (it survived a step); one whose trial kills the engine again is failed with
+`RequestQuarantined`, and the others of that step stay innocent. A crash loop stops: the k-th exit within
+`EngineRestarts.window_s` is restarted after a back-off, up to `limit` restarts; then the host is "failed", its
+health check fails and Serve replaces the replica. vLLM's V1 server treats a dead engine core as fatal and leaves
+the restart to its orchestrator; here the replica owns the engine process, so it restarts it itself.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from actors.launch import end_workers, launch
 from actors.messages import (Abort, Add, AskStats, EngineDead, Failed, RequestQuarantined, Running, StatsReply,
                              Stepped, Stop, ToEngine)
 from actors.streams import Counts, Exited, Next, Stream, hand_over
-from actors.supervisor import EngineRestarts, convicted, died_by_itself, exit_status
+from actors.supervisor import EngineRestarts, convicted, died_by_itself, exit_status, rank_lost
 from actors.trace import Trace
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.constraint_spec import ConstraintSpec
@@ -54,26 +55,28 @@ from mbd.decoding.validate import EngineLimits, RequestError
 
 log = logging.getLogger("ray.serve")
 STATS_TIMEOUT_S = 10.0  # how long `stats()` waits for the engine process (at most a step)
-RANK_GRACE_S = 2.0  # how long an exit waits to learn whether a tensor-parallel rank ended first
+RANK_GRACE_S = 2.0  # how long an exit without a `Failed` waits to learn whether a tensor-parallel rank ended
 OK, RESTARTING, FAILED = "ok", "restarting", "failed"  # the host's states (`state`)
 
 
 class EngineHost:
     def __init__(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig,
                  restarts: EngineRestarts = EngineRestarts(), on_step: Callable[[dict[str, float]], None] | None = None,
-                 startup_timeout_s: float = 600.0):
+                 startup_timeout_s: float = 600.0, on_count: Callable[[str, int], None] | None = None):
         """on_step: called from the reader thread with the engine's stats (`engine_process.engine_stats`) after
-        steps, at most every `engine_process.ON_STEP_S`. A first engine process that does not start raises
-        EngineDead (the replica fails to start; Serve retries it)."""
+        steps, at most every `engine_process.ON_STEP_S`. on_count: called as the supervisor restarts the engine
+        process ("restarts", 1) or fails requests as suspects ("quarantined", n), so that the metrics count them
+        even if the engine never steps again. A first engine process that does not start raises EngineDead (the
+        replica fails to start; Serve retries it)."""
         self.spec, self.decode, self.engine, self.restarts = spec, decode, engine, restarts
         self.startup_timeout_s = startup_timeout_s
-        self._on_step = on_step
-        self._lock = threading.Lock()  # the streams, the state, the solitary re-run and the stats questions
+        self._on_step, self._on_count = on_step, on_count
+        self._lock = threading.Lock()  # the streams, the state, the suspect on trial and the stats questions
         self._streams: dict[str, Stream] = {}  # in arrival order: kept requests are re-admitted in it
         self._outbox: queue.SimpleQueue[ToEngine | Exited | Next] = queue.SimpleQueue()
         self._asks: dict[int, queue.SimpleQueue] = {}
         self._ask_ids = itertools.count()
-        self._solo: str | None = None  # a suspect re-run alone: nothing else is sent until it ends
+        self._solo: str | None = None  # the suspect on trial: nothing new is sent until it is cleared or ends
         self._killed: set[int] = set()  # engine processes the host killed itself (not evidence against a step)
         self._stopping = threading.Event()
         self._exits: collections.deque[float] = collections.deque()  # when the engine process exited, in the window
@@ -90,20 +93,27 @@ class EngineHost:
     # ---- the supervisor thread: sends, exits, restarts ----
 
     def _supervise(self) -> None:
-        while True:
-            item = self._outbox.get()
-            if isinstance(item, Exited):
-                if not self._recover(item):
-                    return
-            elif isinstance(item, Next):
-                self._send_waiting()
-            else:
-                try:
-                    self._conn.send(item)
-                except OSError:  # the process is gone: its reader reports the exit, which comes next
-                    pass
-                if isinstance(item, Stop):
-                    return
+        """The supervisor thread's loop; an unexpected exception in it gives up (the health check fails) rather
+        than leaving the host restarting for ever."""
+        try:
+            while self._handle(self._outbox.get()):
+                pass
+        except Exception as e:  # noqa: BLE001 - a bug here: nobody else would restart the engine
+            log.exception("the engine supervisor failed")
+            self._give_up(f"the engine supervisor failed: {e!r}")
+
+    def _handle(self, item: ToEngine | Exited | Next) -> bool:
+        """One outbox item; False once the supervisor is done (the host gave up or is stopping)."""
+        if isinstance(item, Exited):
+            return self._recover(item)
+        if isinstance(item, Next):
+            self._send_waiting()
+            return True
+        try:
+            self._conn.send(item)
+        except OSError:  # the process is gone: its reader reports the exit, which comes next
+            pass
+        return not isinstance(item, Stop)
 
     def _recover(self, ex: Exited) -> bool:
         """Log the exit, fail the streams that had produced output, judge the requests of the step, keep the
@@ -115,15 +125,17 @@ class EngineHost:
             ex.proc.kill()
             code = ex.proc.wait()
         ex.conn.close()
-        rank_lost = bool(self._workers) and bool(ray.wait([r for _, r in self._workers], timeout=RANK_GRACE_S)[0])
-        by_itself = died_by_itself(code, ex.proc.pid in self._killed, rank_lost)
+        lost_rank = rank_lost(ex.failed, lambda: bool(self._workers) and bool(
+            ray.wait([r for _, r in self._workers], timeout=RANK_GRACE_S)[0]))
+        by_itself = died_by_itself(code, ex.proc.pid in self._killed, lost_rank)
         now, status = time.monotonic(), exit_status(code)
         with self._lock:
             lost = [s for s in self._streams.values() if s.produced]
             suspects = [s for rid in ex.in_step if (s := self._streams.get(rid)) and not s.produced] if by_itself \
                 else []
-            guilty = [s for s in suspects if convicted(len(ex.in_step) == 1, s.suspected, now,
-                                                       self.restarts.window_s)]
+            on_trial = [s for s in suspects if s.suspected is not None]
+            guilty = [s for s in on_trial if convicted(len(on_trial) == 1, s.suspected, now, self.restarts.window_s)]
+            suspects = guilty or suspects  # a conviction explains the exit: the others of the step stay innocent
             for s in lost + guilty:
                 del self._streams[s.add.request_id]
             for s in suspects:
@@ -134,12 +146,13 @@ class EngineHost:
             kept = len(self._streams)
             self.counts.kept += kept
             self.counts.lost += len(lost)
-            self.counts.quarantined += len(guilty)
+        self._count("quarantined", len(guilty))
         hand_over([(s, EngineDead(f"the engine process exited mid-stream ({status})")) for s in lost] + [
-            (s, RequestQuarantined(f"the engine died by itself ({status}) running this request alone, after it had "
-                                   "died with it in the step before; it is not run again")) for s in guilty])
+            (s, RequestQuarantined(f"the engine died by itself ({status}) on this request's trial (beside none but "
+                                   "requests already cleared), after it had died with it in the step before; it is "
+                                   "not run again")) for s in guilty])
         log.error("engine process %d exited (%s; %s; %s): %d stream(s) that had produced output failed, %d "
-                  "request(s) quarantined, %d suspect(s) to re-run alone, %d request(s) kept for a new engine "
+                  "request(s) quarantined, %d suspect(s) to try, %d request(s) kept for a new engine "
                   "process", ex.proc.pid, status, ex.why, "by itself in a step" if by_itself else "not by itself",
                   len(lost), len(guilty), len(suspects) - len(guilty), kept)
         return self._restart(ex.why)
@@ -174,20 +187,22 @@ class EngineHost:
             self._fail_all(EngineDead("the replica is shutting down"))
             return False
         self._proc, self._conn, self._workers = new.proc, new.conn, new.workers
-        self.counts.restarts += 1
+        self._count("restarts", 1)
         self._reader = self._start_reader(new.proc, new.conn)
         n = self._send_waiting(restarted=True)
         log.warning("engine process restarted (pid %d) %.1f s after the exit; %d request(s) re-admitted in order "
-                    "(a suspect alone first, else the kept ones, then those that arrived meanwhile)", new.proc.pid,
+                    "(a suspect on trial first, else the kept ones, then those that arrived meanwhile)", new.proc.pid,
                     time.monotonic() - t0, n)
         return True
 
     def _send_waiting(self, restarted: bool = False) -> int:
-        """Send what waits for the current engine process: the next suspect alone, or, once none is left, every
-        request not sent yet, oldest first; then OK (handlers send their own requests again)."""
+        """Send what waits for the current engine process: the next suspect (beside none but those cleared
+        before it), or, once none is left, every request not sent yet, oldest first; then OK (handlers send their
+        own requests again)."""
         with self._lock:
-            if self._solo in self._streams or not restarted and self.state != OK:  # a suspect still runs alone,
-                return 0  # or the process died meanwhile (its exit comes next in the outbox)
+            trial = self._streams.get(self._solo) if self._solo is not None else None
+            if trial is not None and trial.suspected is not None or not restarted and self.state != OK:
+                return 0  # a suspect is still on trial, or the process died meanwhile (its exit comes next)
             suspect = next((s for s in self._streams.values() if s.suspected is not None), None)
             todo = [suspect] if suspect else [s for s in self._streams.values() if not s.sent]
             self._solo = suspect.add.request_id if suspect else None
@@ -201,6 +216,13 @@ class EngineHost:
             except OSError:
                 break
         return len(todo)
+
+    def _count(self, what: str, n: int) -> None:
+        """Add n to the supervision count `what` (a `Counts` field), and tell the metrics."""
+        if n:
+            setattr(self.counts, what, getattr(self.counts, what) + n)
+            if self._on_count is not None:
+                self._on_count(what, n)
 
     def _give_up(self, reason: str) -> None:
         log.error("%s; giving up: this replica now fails its health check so that Serve replaces it", reason)
@@ -216,7 +238,7 @@ class EngineHost:
 
     def _read(self, proc: subprocess.Popen, conn: Connection) -> None:
         """One engine process's messages until it ends; then its exit goes to the supervisor."""
-        why, in_step = "connection closed", ()
+        why, in_step, failed = "connection closed", (), None
         while True:
             try:
                 msg = conn.recv()
@@ -238,7 +260,7 @@ class EngineHost:
                 if ask is not None:
                     ask.put(msg.stats)
             elif isinstance(msg, Failed):
-                why = msg.message
+                why, failed = msg.message, msg
         with self._lock:
             for ask in self._asks.values():  # questions it will never answer
                 ask.put({})
@@ -248,7 +270,7 @@ class EngineHost:
             proc.wait()
             self._fail_all(EngineDead("the replica is shutting down"))
         else:
-            self._outbox.put(Exited(proc, conn, why, in_step))
+            self._outbox.put(Exited(proc, conn, why, in_step, failed))
 
     def _publish(self, outs: Sequence[StepOutput]) -> None:
         items = []
@@ -259,6 +281,9 @@ class EngineHost:
                 s = self._pop(o.request_id) if o.finished else self._streams.get(o.request_id)
                 if s is not None and (s.per_block or o.finished):
                     s.produced = True
+                if s is not None and o.request_id == self._solo and s.suspected is not None and not o.finished:
+                    s.suspected = None  # it survived a step on trial: cleared, the next may go (not its whole run)
+                    self._outbox.put(Next())
             if s is None:
                 continue
             if not s.per_block:
@@ -270,9 +295,10 @@ class EngineHost:
         hand_over(items)
 
     def _pop(self, rid: str) -> Stream | None:
-        """Remove a request (under the lock); the end of a solitary re-run lets the others go."""
+        """Remove a request (under the lock); the end of a trial (a suspect that ends before it is cleared) lets
+        the others go."""
         s = self._streams.pop(rid, None)
-        if s is not None and rid == self._solo:
+        if s is not None and rid == self._solo and s.suspected is not None:
             self._outbox.put(Next())
         return s
 
@@ -289,17 +315,19 @@ class EngineHost:
             self.state, self._error = FAILED, e
             streams, self._streams = list(self._streams.values()), {}
             suspects = {id(s) for s in streams if s.suspected is not None}
-            self.counts.quarantined += len(suspects)
+        self._count("quarantined", len(suspects))
         hand_over([(s, RequestQuarantined(f"the engine died by itself with this request in its step; {e}")
                      if id(s) in suspects else e) for s in streams])
 
     # ---- event-loop side ----
 
     def check(self) -> None:
-        """Serve's health check: raise once the host gave up (or its reader died). A dead tensor-parallel rank
-        takes its engine process down, so that the supervisor restarts every rank."""
+        """Serve's health check: raise once the host gave up (or its reader or supervisor thread died). A dead
+        tensor-parallel rank takes its engine process down, so that the supervisor restarts every rank."""
         if self.state == FAILED:
             raise EngineDead(f"engine loop is not running: {self._error}")
+        if not self._supervisor.is_alive() and not self._stopping.is_set():
+            raise EngineDead("the engine's supervisor thread has stopped")
         if self.state == OK and not self._reader.is_alive():
             raise EngineDead("the engine's reader thread has stopped")
         if self._workers and self.state == OK:

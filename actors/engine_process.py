@@ -10,9 +10,10 @@ core from its API server for the same reason).
 
 The replica (actors/engine_host.py `EngineHost`) starts `python -m actors.engine_process` with one end of a socket pair
 and talks to it through that one connection, in the messages of actors/messages.py. In: `Start` first, then
-`Add`, `Abort`, `AskStats`, `Stop`. Out: `Ready` once, then `Running` before a step whose requests changed,
-`Stepped` after a step that has something to say, `StatsReply` when asked, or `Failed` before exiting. The
-process ends on `Stop` or when the connection closes (the replica died: no engine outlives its replica).
+`Add`, `Abort`, `AskStats`, `Stop`. Out: `Ready` once, then `Running` before admitting requests and before a step
+whose requests changed, `Stepped` after a step that has something to say, `StatsReply` when asked, or `Failed`
+before exiting. The process ends on `Stop` or when the connection closes (the replica died: no engine outlives
+its replica).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from mbd.decoding.spec import build_engine
 ON_STEP_S = 0.5  # stats ride along with a step's outputs at most this often (a step can take a millisecond)
 IDLE_TICK_S = 1.0  # an idle rank 0 still broadcasts this often, so follower ranks never hit a collective timeout
 FD_ENV = "MBD_ENGINE_FD"  # the inherited socket's file descriptor
-POISON_ENV = "MBD_TEST_POISON"  # tests only: comma-separated token ids; a step with a prompt holding them crashes
 
 
 def engine_stats(engine: Engine, in_engine: int) -> dict[str, float]:
@@ -67,22 +67,15 @@ def _drain(conn: Connection, block: bool) -> list[ToEngine]:
     return ops
 
 
-def _poisoned(prompt_ids: list[int], poison: list[int]) -> bool:
-    """Tests only (`POISON_ENV`): a request that crashes the engine by itself, as a rare bug would."""
-    n = len(poison)
-    return n > 0 and any(prompt_ids[i: i + n] == poison for i in range(len(prompt_ids) - n + 1))
-
-
 def serve(conn: Connection, start: Start) -> None:
     """Build rank 0's engine, report its limits, then run the loop until `Stop` or the replica goes."""
     trace = Trace("engine")
-    poison = [int(t) for t in os.environ.get(POISON_ENV, "").split(",") if t]
     tp, ctrl = init_tp(start.spec, start.engine, 0, start.addr, start.port)
     try:
         with torch.inference_mode():
             lock = Lockstep(build_engine(start.spec.resolved_path(), start.decode, start.engine, tp), tp.world, ctrl)
             conn.send(Ready(lock.engine.limits))
-            reported, committed, running, poisoned = 0.0, {}, (), set()
+            reported, committed, running = 0.0, {}, ()
             while not lock.stopped:
                 idle = not lock.engine.has_unfinished()
                 t = time.perf_counter()
@@ -91,17 +84,15 @@ def serve(conn: Connection, start: Start) -> None:
                     trace.mark("-", "idle", time.perf_counter() - t)
                 asks = [op.ask for op in ops if isinstance(op, AskStats)]
                 ops = lock.exchange([op for op in ops if not isinstance(op, AskStats)])
+                if adds := tuple(op.request_id for op in ops if isinstance(op, Add)):  # admitting one can kill the
+                    conn.send(Running(running := lock.in_step() + adds))  # engine too (a grammar that panics)
                 refused = lock.apply(ops)
                 no = {r.request_id for r in refused}
                 for op in ops:
                     if isinstance(op, Add) and op.request_id not in no:
                         trace.mark(op.request_id, "admit")
-                        if _poisoned(op.prompt_ids, poison):
-                            poisoned.add(op.request_id)
                 if running != (running := lock.in_step()):
                     conn.send(Running(running))  # before the step: if it kills the engine, the replica knows who
-                if poisoned.intersection(running):  # as an engine bug would: the process reports it and exits
-                    raise RuntimeError(f"{POISON_ENV}: a poisonous request is in the step")
                 t = time.perf_counter()
                 outs = lock.step()
                 trace.mark("-", "step", time.perf_counter() - t)
@@ -124,6 +115,12 @@ def serve(conn: Connection, start: Start) -> None:
             dist.destroy_process_group()
 
 
+def collective_failure(e: BaseException) -> bool:
+    """Whether `e` is a torch.distributed collective that failed (gloo's broken pair, NCCL's aborted
+    communicator): a tensor-parallel rank ended first, which says nothing of the requests in the step."""
+    return isinstance(e, dist.DistError) or isinstance(e, RuntimeError) and "gloo" in str(e).lower()
+
+
 def main() -> None:
     conn = Connection(int(os.environ.pop(FD_ENV)))
     try:
@@ -132,7 +129,7 @@ def main() -> None:
         pass
     except BaseException as e:  # noqa: BLE001 - the replica fails its requests and its health check with this
         try:
-            conn.send(Failed(repr(e)))
+            conn.send(Failed(repr(e), collective=collective_failure(e)))
         except OSError:
             pass
         sys.exit(1)

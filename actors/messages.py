@@ -29,8 +29,8 @@ class EngineDead(RuntimeError):
 
 
 class RequestQuarantined(RuntimeError):
-    """The request was in the engine's step each time the engine died by itself, the last time alone: it is not
-    run again, here or on another replica (it would take that engine down as well)."""
+    """The request was in the engine's step each time the engine died by itself, the last time on its trial: it
+    is not run again, here or on another replica (it would take that engine down as well)."""
 
 
 # ---- replica -> engine process (and rank 0 -> ranks 1..) ----
@@ -122,9 +122,11 @@ class StatsReply:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The engine process raised and is exiting (its last message)."""
+    """The engine process raised and is exiting (its last message). collective: the exception is a failed
+    torch.distributed collective (a tensor-parallel rank ended first), so the step is not to blame."""
 
     message: str
+    collective: bool = False
 
 
 FromEngine = Union[Ready, Running, Stepped, StatsReply, Failed]

@@ -8,7 +8,7 @@ import subprocess
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from actors.messages import Add
+from actors.messages import Add, Failed
 from mbd.decoding.outputs import StepOutput
 
 
@@ -36,11 +36,12 @@ class Exited:
     conn: Connection
     why: str
     in_step: tuple[str, ...]  # the requests of the step it was running (its last `Running`)
+    failed: Failed | None = None  # its last word, when it raised
 
 
 @dataclass
 class Next:
-    """A solitary re-run ended: send what waited for it."""
+    """A suspect's trial ended (cleared by its first output, or finished): send what waited for it."""
 
 
 def hand_over(items: list[tuple[Stream, "StepOutput | BaseException"]]) -> None:
@@ -70,4 +71,4 @@ class Counts:
     kept: int = 0  # requests without output yet when their engine process exited: kept for the next one
     readmitted: int = 0  # requests sent to a new engine process (kept ones and those that arrived meanwhile)
     lost: int = 0  # streams that had produced output when their engine process exited: failed
-    quarantined: int = 0  # requests failed as suspects: their solitary re-run killed the engine again
+    quarantined: int = 0  # requests failed as suspects: their trial killed the engine again

@@ -3,18 +3,22 @@ how often it restarts it, and whether an exit is evidence against the requests i
 
 A request is a suspect only when the engine died by itself while running a step it was in: not when the replica
 killed the process (a lost tensor-parallel rank, a broken connection, shutdown), not when a signal from outside
-ended it (SIGKILL of the process group, an operator's SIGTERM), not when a rank ended first. A suspect is re-run
-alone; it is failed (`RequestQuarantined`) only if the engine dies by itself again with it alone in the step,
-within the restart window, as a job system bisects a crash-looping batch. Imports no torch: the serve config
+ended it (SIGKILL of the process group, an operator's SIGTERM), not when a rank ended first. Suspects are tried
+one at a time, each beside none but requests already cleared, until its first output (surviving a step clears
+it, so a replica is not held to one request at a time for whole generations); it is failed (`RequestQuarantined`)
+only if the engine dies by itself again on its trial, within the restart window, as a job system bisects a
+crash-looping batch. Imports no torch: the serve config
 reads `EngineRestarts`.
 """
 
 from __future__ import annotations
 
 import signal
+from typing import Callable
 
 from pydantic import Field
 
+from actors.messages import Failed
 from mbd.config import StrictModel
 
 # signals another process sends (the kernel's OOM killer included): an exit by one of them says nothing of the step
@@ -53,7 +57,15 @@ def died_by_itself(code: int, killed_by_host: bool, rank_lost: bool) -> bool:
     return not killed_by_host and not rank_lost and not (code < 0 and -code in OUTSIDE_SIGNALS)
 
 
+def rank_lost(failed: Failed | None, rank_ended: Callable[[], bool]) -> bool:
+    """Whether a tensor-parallel rank ended first, from rank 0's own last word: its `Failed` says whether a
+    collective failed; only when it sent none (it was killed, or its connection broke) does a rank whose loop
+    ended (`rank_ended`, asked only then) count. A rank that ends after rank 0 is no evidence: its collective
+    fails within moments of rank 0's exit."""
+    return failed.collective if failed is not None else rank_ended()
+
+
 def convicted(alone: bool, suspected_at: float | None, now: float, window_s: float) -> bool:
-    """A suspect is failed when the engine died by itself with it alone in the step, after it was already
-    suspected within the window (its solitary re-run crashed too)."""
+    """A suspect is failed when the engine died by itself with it the only suspect in the step (`alone`: the
+    others there were cleared), after it was already suspected within the window (its trial crashed too)."""
     return alone and suspected_at is not None and now - suspected_at <= window_s

@@ -50,7 +50,5 @@ def follow(progress, fit_thread: threading.Thread, total: int, name: str, show: 
 
 def one_time_note(cfg: TrainConfig) -> str:
     """Why the first step takes a while (a minute or more on CPU), said before the line stands still."""
-    op = ("; on the first run on this machine DeepSpeed also compiles its CPU op deepspeed_shm_comm (about a "
-          "minute, cached in ~/.cache/torch_extensions)") if not cfg.use_gpu else ""
     return (f"    the first step waits for one-time work: {cfg.num_workers} worker(s) start, load the model and "
-            f"initialise DeepSpeed{op}")
+            "initialise DeepSpeed")

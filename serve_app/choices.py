@@ -39,14 +39,14 @@ class Piece:
 
 class Choice:
     """One engine request (id `rid`): `outputs` is its decoder stream after the `first` output (already
-    awaited), `cancel` aborts it."""
+    awaited, at `t_first` on time.perf_counter's clock), `cancel` aborts it."""
 
     def __init__(self, rid: str, index: int, prompt: list[int], text: TextStream, outputs: AsyncIterator[StepOutput],
-                 cancel: Callable[[], None], first: StepOutput, trace: Trace):
+                 cancel: Callable[[], None], first: StepOutput, t_first: float, trace: Trace):
         self.rid, self.index, self.prompt, self.text, self.trace = rid, index, prompt, text, trace
         self.outputs, self.cancel = outputs, cancel
         self.first = self.last = first
-        self.t_first = time.perf_counter()  # its first output arrived (made just after): time to first token
+        self.t_first = self.t_last = t_first  # when its first and its latest output arrived
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.sent = 0  # tokens already reported in pieces
@@ -87,6 +87,8 @@ class Choice:
                 if done or self.text.stopped:
                     break
                 o = await anext(self.outputs, None)
+                if o is not None:
+                    self.t_last = time.perf_counter()
             tail, upto = await sync(0, self._finish)
             yield self._piece(tail, upto, self.finish_reason)
         finally:
@@ -149,6 +151,15 @@ def usage(prompts: list[list[int]], choices: list[Choice], so_far: bool = False)
                  for i in range(len(prompts)))
     return Usage(prompt_tokens=n_prompt, completion_tokens=n, total_tokens=n_prompt + n,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def latencies(choices: list[Choice], t0: float) -> tuple[float, list[float]]:
+    """The request's time to first token (its earliest choice's first output, from `t0`) and each choice's
+    inter-token latency: from its own first output to its last, over the tokens after the first ones (a choice
+    whose tokens all came at once has none). Per choice: n parallel choices do not divide each other's gaps."""
+    itl = [(c.t_last - c.t_first) / later for c in choices
+           if (later := c.last.num_generated - len(c.first.new_token_ids)) > 0]
+    return min(c.t_first for c in choices) - t0, itl
 
 
 def mbd_stats(choices: list[Choice], buffer_size: int) -> MBDStats:

@@ -24,10 +24,7 @@ class Decoder(EngineHost):
 
     def __init__(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, restarts: EngineRestarts):
         self.metrics = DecoderMetrics(spec.name)
-        super().__init__(spec, decode, engine, restarts, on_step=self._on_step)
-
-    def _on_step(self, stats: dict[str, float]) -> None:
-        self.metrics.update(stats | {"engine_restarts": self.counts.restarts, "quarantined": self.counts.quarantined})
+        super().__init__(spec, decode, engine, restarts, on_step=self.metrics.update, on_count=self.metrics.count)
 
     def check_health(self) -> None:
         self.check()

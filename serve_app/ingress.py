@@ -31,7 +31,7 @@ from mbd.decoding.validate import EngineLimits, RequestError
 from mbd.detokenize import TextStream
 from mbd.tokenizer import Tokenizer
 from serve_app import sse
-from serve_app.choices import Choice, Piece, mbd_stats, merge, usage
+from serve_app.choices import Choice, Piece, latencies, mbd_stats, merge, usage
 from serve_app.config import ServeConfig
 from serve_app.convert import RequestConverter, bad_request
 from serve_app.errors import internal, overloaded, unavailable
@@ -44,6 +44,7 @@ from serve_app.protocol import (MASK_GLYPH, AssistantMessage, ChatChoice, ChatCh
 
 log = logging.getLogger("ray.serve")
 INLINE_COST = 1024  # characters or tokens (de)tokenized on the event loop; more go to the tokenizer pool
+MESSAGE_COST = 64  # a chat message's own cost in the chat template's render, however short its content
 HEALTH_TIMEOUT_S = 2.0  # how long /health waits for a decoder replica to say how its engine is
 
 
@@ -66,9 +67,16 @@ def _size(prompt: str | list) -> int:
         sum(_size(p) for p in prompt)
 
 
-async def _first(gen: DeploymentResponseGenerator) -> StepOutput:
-    """The stream's first item (a handle may raise BackPressureError before it returns an awaitable)."""
-    return await gen.__anext__()
+def chat_cost(messages: list[dict[str, Any]]) -> int:
+    """What rendering and tokenizing a chat costs, in INLINE_COST's units: its characters, plus MESSAGE_COST per
+    message (the template loops over messages: 140k empty ones must not render on the event loop)."""
+    return sum(len(m["content"]) + MESSAGE_COST for m in messages)
+
+
+async def _first(gen: DeploymentResponseGenerator) -> tuple[StepOutput, float]:
+    """The stream's first item and when it arrived (a handle may raise BackPressureError before it returns an
+    awaitable)."""
+    return await gen.__anext__(), time.perf_counter()
 
 
 @serve.deployment
@@ -179,7 +187,7 @@ class OpenAIIngress:
         await self._limits()
         self.convert.check_chat(req)
         messages = self.convert.messages(req)
-        prompts = [await self._sync(sum(len(m["content"]) for m in messages), self.convert.encode_chat, messages)]
+        prompts = [await self._sync(chat_cost(messages), self.convert.encode_chat, messages)]
         choices = await self._start(rid, req, prompts)
 
         def logprobs(p: Piece) -> ChatLogprobs | None:
@@ -249,14 +257,15 @@ class OpenAIIngress:
             log.error("decoder unavailable: %r", failed)  # a failed or restarting replica: the client should retry
             raise unavailable("decoder unavailable; retry later", retry) from failed
         stops = req.stop_list()
-        return [Choice(ids[i], i, prompts[i // req.n], TextStream(self.tok, stops), g, g.cancel, first,
+        return [Choice(ids[i], i, prompts[i // req.n], TextStream(self.tok, stops), g, g.cancel, first, t_first,
                        self.trace)
-                for i, (g, first) in enumerate(opened)]  # type: ignore[misc]
+                for i, (g, (first, t_first)) in enumerate(opened)]  # type: ignore[misc]
 
     async def _open(self, prompt: list[int], params: DecodeConfig, per_block: bool, eid: str,
-                    constraint: ConstraintSpec | None = None) -> tuple[DeploymentResponseGenerator, StepOutput]:
-        """One engine request and its first output. A request whose replica is gone before answering (killed,
-        lost with its node) is started again, on whichever replica Serve routes it to, up to
+                    constraint: ConstraintSpec | None = None
+                    ) -> tuple[DeploymentResponseGenerator, tuple[StepOutput, float]]:
+        """One engine request, its first output and when that arrived. A request whose replica is gone before
+        answering (killed, lost with its node) is started again, on whichever replica Serve routes it to, up to
         decoder.replica_retries times (under a fresh id: a replica that only looked dead may still hold it)."""
         attempt = 0
         while True:
@@ -304,10 +313,9 @@ class OpenAIIngress:
 
     def _record(self, choices: list[Choice], prompts: list[list[int]], t0: float) -> None:
         u, t = usage(prompts, choices), time.perf_counter()
-        first = min(c.t_first for c in choices)
-        later = sum(max(0, c.last.num_generated - len(c.first.new_token_ids)) for c in choices)
-        self.metrics.finished(u.prompt_tokens, u.completion_tokens, sum(c.last.nfe for c in choices), first - t0,
-                              t - t0, later)
+        ttft, itl = latencies(choices, t0)
+        self.metrics.finished(u.prompt_tokens, u.completion_tokens, sum(c.last.nfe for c in choices), ttft, t - t0,
+                              itl)
 
     def _text(self, token_id: int) -> str:
         return self.tok.decode([token_id], skip_special_tokens=False)

@@ -5,10 +5,15 @@ running Ray worker. docs/serving.md lists the names as the scrape shows them."""
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Any
+import types
+from typing import Annotated, Any, Iterator, Union, get_args, get_origin
 
+from pydantic import BaseModel
 from ray.serve.metrics import Counter, Gauge, Histogram
+
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 
 LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 TOKEN_LATENCY_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
@@ -27,9 +32,39 @@ def _inc(counter: Counter, n: float, tags: dict[str, str] | None = None) -> None
         counter.inc(n, tags=tags)
 
 
+def _paths(tp: Any, path: str) -> Iterator[str]:
+    """`path` and the field paths below it that a value of type `tp` has (list items as `[]`)."""
+    yield path
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        yield from _paths(args[0], path)
+    elif origin in (Union, types.UnionType):
+        for a in args:
+            yield from _paths(a, path)
+    elif origin in (list, tuple):
+        for a in args:
+            if a is not Ellipsis:
+                yield from _paths(a, f"{path}[]")
+    elif isinstance(tp, type) and issubclass(tp, BaseModel):
+        for name, f in tp.model_fields.items():
+            for key in {name, f.alias or name}:
+                yield from _paths(f.annotation, f"{path}.{key}" if path else key)
+
+
+@functools.cache
+def known_fields() -> frozenset[str]:
+    """Every field path of the request bodies (indices as `[]`), and "body": the only refusal tags there are."""
+    return frozenset(p for m in (CompletionRequest, ChatCompletionRequest) for p in _paths(m, "") if p) | {"body"}
+
+
 def field_tag(param: str | None) -> str:
-    """The refused field as a bounded tag value: indices dropped (`messages[3].role` -> `messages[].role`)."""
-    return re.sub(r"\[\d+\]", "[]", param) if param else "none"
+    """The refused field as a bounded tag value: indices dropped (`messages[3].role` -> `messages[].role`), and a
+    path the request models do not have (a client's own unknown key) as "unsupported_field", so that clients
+    cannot grow the metric's series without bound."""
+    if not param:
+        return "none"
+    path = re.sub(r"\[\d+\]", "[]", param)
+    return path if path in known_fields() else "unsupported_field"
 
 
 class IngressMetrics:
@@ -51,8 +86,8 @@ class IngressMetrics:
         self.generation_tokens = counter("mbd_generation_tokens", "generated tokens of completed requests")
         self.ttft = histogram("mbd_time_to_first_token_seconds", "arrival to the first committed tokens reaching "
                               "the ingress (a non-streamed request gets them all at once)", LATENCY_S)
-        self.itl = histogram("mbd_inter_token_latency_seconds", "per request: time after the first tokens / the "
-                             "tokens that followed them", TOKEN_LATENCY_S)
+        self.itl = histogram("mbd_inter_token_latency_seconds", "per choice: time from its first tokens to its "
+                             "last / the tokens that followed the first", TOKEN_LATENCY_S)
         self.e2e = histogram("mbd_e2e_request_latency_seconds", "arrival to the last token", LATENCY_S)
         self.tpf = histogram("mbd_tokens_per_forward", "tokens per forward (TPF) of a request", TPF)
         self.nfe = histogram("mbd_forwards_per_request", "model forwards (NFE) of a request", NFE)
@@ -65,14 +100,15 @@ class IngressMetrics:
             self.refused.inc(tags={"status": str(status), "field": field_tag(param)})
 
     def finished(self, prompt_tokens: int, generation_tokens: int, nfe: int, ttft_s: float, e2e_s: float,
-                 later_tokens: int) -> None:
-        """One completed request (all its choices): `later_tokens` arrived after the first ones, over e2e - ttft."""
+                 itl_s: list[float]) -> None:
+        """One completed request (all its choices): its TTFT and e2e latency, and each choice's inter-token
+        latency (`choices.latencies`)."""
         _inc(self.prompt_tokens, prompt_tokens)
         _inc(self.generation_tokens, generation_tokens)
         self.ttft.observe(ttft_s)
         self.e2e.observe(e2e_s)
-        if later_tokens > 0:
-            self.itl.observe((e2e_s - ttft_s) / later_tokens)
+        for x in itl_s:
+            self.itl.observe(x)
         if nfe:
             self.tpf.observe(generation_tokens / nfe)
             self.nfe.observe(nfe)
@@ -80,12 +116,12 @@ class IngressMetrics:
 
 class DecoderMetrics:
     """Per replica, from `actors.engine_process.engine_stats` as the engine steps (at most every ON_STEP_S) and
-    the host's restart counts: vLLM's running / waiting / KV use / preemptions / prefix-cache counters, and the
-    Block Buffer's active blocks per forward, buffer occupancy and the structured-output share of a step, each
-    over the interval since the previous report."""
+    the host's restart and quarantine counts as they happen (`count`): vLLM's running / waiting / KV use /
+    preemptions / prefix-cache counters, and the Block Buffer's active blocks per forward, buffer occupancy and the
+    structured-output share of a step, each over the interval since the previous report."""
 
     COUNTED = {"preemptions": "preemptions", "prefix_query_tokens": "prefix_queries",
-               "prefix_hit_tokens": "prefix_hits", "engine_restarts": "restarts", "quarantined": "quarantined"}
+               "prefix_hit_tokens": "prefix_hits"}
 
     def __init__(self, model: str) -> None:
         def gauge(name: str, doc: str) -> Gauge:
@@ -126,3 +162,7 @@ class DecoderMetrics:
         for key, attr in self.COUNTED.items():
             _inc(getattr(self, attr), d[key])
         self._last = dict(stats)
+
+    def count(self, what: str, n: int) -> None:
+        """The host's supervision counts as they happen (`EngineHost` on_count): "restarts", "quarantined"."""
+        _inc({"restarts": self.restarts, "quarantined": self.quarantined}[what], n)

@@ -3,8 +3,8 @@ and its engine process is SIGKILLed mid-load. Counted: only streams that had pro
 (finish_reason "error", an error event, [DONE]), as many as the replica says it failed; every other request
 succeeds (none gets a 503); the same replica restarts its engine once and serves every request started after the
 kill, within a generous bound; /health says "restarting" meanwhile and answers 200 throughout; and no engine
-process outlives its replica. A request that itself crashes the engine (the test-only `POISON_ENV` hook, set for
-the replica here) gets a 500 after its solitary re-run crashed it again (not a retry), while the request beside
+process outlives its replica. A request that itself crashes the engine (tests/integration/poison.py, set up for
+the replica here) gets a 500 after its trial crashed it again (not a retry), while the request beside
 it succeeds. The crash-loop case (restarts that fail until the replica gives up) is
 tests/integration/test_serve_units.py::test_a_crash_loop_stops_and_fails_the_health_check."""
 
@@ -19,11 +19,11 @@ import httpx
 import psutil
 import pytest
 
-from actors.engine_process import POISON_ENV
 from actors.tp_worker import free_port
 from mbd.checkpoint_files import read_model_config
 from mbd.tokenizer import Tokenizer
 from serve_app.config import ServeConfig
+from tests.integration.poison import POISON_ENV, SITE
 from tests.integration.stream_outcome import stream_outcome
 from tests.integration.test_serve_units import DECODE
 
@@ -58,7 +58,8 @@ def base(ray_cluster, ckpt, tok: Tokenizer):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     with pytest.MonkeyPatch.context() as mp:  # the replica's engine processes crash on a step running POISON
         mp.setitem(app.ONE_LOOP, "env_vars", app.ONE_LOOP["env_vars"] | {
-            POISON_ENV: ",".join(map(str, tok.encode(POISON)))})
+            POISON_ENV: ",".join(map(str, tok.encode(POISON))),
+            "PYTHONPATH": os.pathsep.join([SITE] + [p for p in [os.environ.get("PYTHONPATH")] if p])})
         serve.run(app.build_app({"serve_config": _config(ckpt)}), name="restart", route_prefix="/restart")
     yield f"http://127.0.0.1:{port}/restart"
     serve.shutdown()
@@ -146,9 +147,9 @@ async def _scenario(base: str, replica_pid: int) -> tuple[list, list, float, flo
 
 def test_a_request_that_crashes_the_engine_gets_a_500_and_the_one_beside_it_succeeds(base):
     """A poisonous and an innocent non-streaming request sent together: the engine dies by itself (it raises)
-    with the poisonous one in its step; each suspect is re-run alone; the poisonous one kills the engine again and
-    is failed: HTTP 500 without Retry-After, naming why, not retried by the ingress; the innocent one gets its 200;
-    two restarts, one quarantined request, no stream lost."""
+    with the poisonous one in its step; the suspects are tried one at a time; the poisonous one kills the engine
+    again and is failed: HTTP 500 without Retry-After, naming why, not retried by the ingress; the innocent one
+    gets its 200; two restarts, one quarantined request, no stream lost."""
     before = _stats()
     bodies = [{"model": "mbd-test", "prompt": f"1+{POISON}=", "max_tokens": 8},
               {"model": "mbd-test", "prompt": "2+2=", "max_tokens": 8}]
@@ -161,7 +162,7 @@ def test_a_request_that_crashes_the_engine_gets_a_500_and_the_one_beside_it_succ
         t.join(RECOVERY_BOUND_S)
     poisonous, innocent = replies[0], replies[1]
     assert poisonous.status_code == 500 and "retry-after" not in poisonous.headers, poisonous.text
-    assert "running this request alone" in poisonous.json()["error"]["message"]
+    assert "on this request's trial" in poisonous.json()["error"]["message"]
     assert innocent.status_code == 200 and innocent.json()["usage"]["completion_tokens"] == 8
     after = _restarted(before, 2)
     assert {k: after[k] - before[k] for k in ("engine_restarts", "quarantined", "lost_mid_stream")} == \

@@ -1,6 +1,7 @@
 """Quarantine by evidence, with the engine host driven in-process against the real engine: a poisonous request
-(one whose prompt holds `POISON`: the test-only `engine_process.POISON_ENV` makes the engine process raise when a
-step runs it) is failed only after its solitary re-run kills the engine again; the innocent requests of its step,
+(one whose prompt holds `POISON`: tests/integration/poison.py makes the engine process raise when a step runs
+it) is failed only after its trial (beside none but cleared requests) kills the engine again; the
+innocent requests of its step,
 and those queued beside it, complete with the tokens the engine gives them alone; an outside SIGKILL quarantines
 nobody; a replica that gives up fails a suspect with RequestQuarantined, never EngineDead (which the ingress
 would answer with a 503 to retry)."""
@@ -12,44 +13,48 @@ import signal
 import pytest
 
 from actors.engine_host import EngineHost
-from actors.engine_process import POISON_ENV
 from actors.messages import EngineDead, RequestQuarantined
 from actors.supervisor import EngineRestarts
+from mbd.config import DecodeConfig
 from mbd.decoding import Engine, EngineConfig
 from mbd.decoding.model_spec import ModelSpec
 from mbd.model import load_checkpoint
+from tests.integration.poison import POISON_ENV, SITE
 from tests.integration.test_serve_units import DECODE, _collect, _Log, ckpt, tok  # noqa: F401 - fixtures
 
 POISON = "7777"
 SHORT = DECODE.model_copy(update={"max_new_tokens": 24})
+LONG = DECODE.model_copy(update={"max_new_tokens": 200, "tau_m2t": 1.0, "ignore_eos": True})  # runs many steps
 
 
 @pytest.fixture
 def poisoned(monkeypatch, tok) -> None:
     """Engine processes started from now on crash on a step that runs a prompt holding POISON."""
     monkeypatch.setenv(POISON_ENV, ",".join(map(str, tok.encode(POISON))))
+    monkeypatch.syspath_prepend(SITE)  # engine processes inherit this process's path
 
 
 def _host(ckpt, rows: int, restarts: EngineRestarts) -> EngineHost:
     return EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=rows), restarts)
 
 
-def _alone(ckpt, tok, prompts: list[str]) -> list[list[int]]:
+def _alone(ckpt, tok, prompts: list[tuple[str, DecodeConfig]]) -> list[list[int]]:
     """The tokens the engine gives each prompt on its own."""
     model, _ = load_checkpoint(ckpt)
     ref = Engine(model, tok, DECODE, EngineConfig(max_batch_rows=2))
-    return [ref.generate([tok.encode(p)], SHORT)[0].token_ids for p in prompts]
+    return [ref.generate([tok.encode(p)], params)[0].token_ids for p, params in prompts]
 
 
-def test_innocent_requests_beside_a_poisonous_one_complete_and_it_fails_after_its_solitary_rerun(ckpt, tok, poisoned):
-    """Two rows: the innocent B and the poisonous P share the step that kills the engine (both suspects), C waits
-    for a row (not in the step). B is re-run alone and completes; P is re-run alone, kills the engine again and is
-    failed with RequestQuarantined; C, held meanwhile, completes; the host stays healthy."""
-    want_b, want_c = _alone(ckpt, tok, ["12+7=", "3*4="])
+def test_innocent_requests_beside_a_poisonous_one_complete_and_it_fails_after_its_trial(ckpt, tok, poisoned):
+    """Two rows: the innocent B (a long run) and the poisonous P share the step that kills the engine (both
+    suspects), C waits for a row (not in the step). B is tried first and cleared by its first step; P's trial
+    beside it kills the engine again: P is failed with RequestQuarantined, B stays innocent (kept, tried and
+    cleared again) and completes; C, held meanwhile, completes beside it; the host stays healthy."""
+    want_b, want_c = _alone(ckpt, tok, [("12+7=", LONG), ("3*4=", SHORT)])
     host = _host(ckpt, 2, EngineRestarts(limit=3, backoff_s=0.1))
 
     async def scenario() -> tuple:
-        b = asyncio.create_task(_collect(host, tok.encode("12+7="), SHORT, per_block=False))
+        b = asyncio.create_task(_collect(host, tok.encode("12+7="), LONG, per_block=False))
         p = asyncio.create_task(_collect(host, tok.encode(f"1+{POISON}="), SHORT, per_block=False))
         c = asyncio.create_task(_collect(host, tok.encode("3*4="), SHORT))
         return await asyncio.gather(b, p, c, return_exceptions=True)
@@ -57,16 +62,17 @@ def test_innocent_requests_beside_a_poisonous_one_complete_and_it_fails_after_it
     try:
         with _Log() as logged:
             got_b, got_p, got_c = asyncio.run(scenario())
-        assert isinstance(got_p, RequestQuarantined) and "running this request alone" in str(got_p)
+        assert isinstance(got_p, RequestQuarantined) and "on this request's trial" in str(got_p)
         assert [t for o in got_b for t in o.new_token_ids] == want_b
         assert [t for o in got_c for t in o.new_token_ids] == want_c
         s = host.stats()
+        # readmitted: B's trial, P's, B's again, then C
         assert (s["engine_restarts"], s["quarantined"], s["lost_mid_stream"], s["kept"], s["readmitted"]) == \
-            (2, 1, 0, 4, 3)
+            (2, 1, 0, 5, 4)
         exits = [line for line in logged.lines if "exited (" in line]
         assert len(exits) == 2 and all("exit code 1; RuntimeError" in e and "by itself in a step" in e for e in exits)
-        assert "0 request(s) quarantined, 2 suspect(s) to re-run alone, 3 request(s) kept" in exits[0]
-        assert "1 request(s) quarantined, 0 suspect(s) to re-run alone, 1 request(s) kept" in exits[1]
+        assert "0 request(s) quarantined, 2 suspect(s) to try, 3 request(s) kept" in exits[0]
+        assert "1 request(s) quarantined, 0 suspect(s) to try, 2 request(s) kept" in exits[1]
         host.check()
         assert host.engine_state() == "ok"
     finally:
@@ -76,9 +82,8 @@ def test_innocent_requests_beside_a_poisonous_one_complete_and_it_fails_after_it
 def test_an_outside_kill_quarantines_nobody(ckpt, tok):
     """A request that sent nothing is in the engine's step at two SIGKILLs from outside: kept both times, it
     completes with the engine's own tokens; nobody is quarantined."""
-    long = DECODE.model_copy(update={"max_new_tokens": 200, "tau_m2t": 1.0, "ignore_eos": True})
     model, _ = load_checkpoint(ckpt)
-    want = Engine(model, tok, DECODE, EngineConfig(max_batch_rows=2)).generate([tok.encode("1+1=")], long)[0]
+    want = Engine(model, tok, DECODE, EngineConfig(max_batch_rows=2)).generate([tok.encode("1+1=")], LONG)[0]
     host = _host(ckpt, 2, EngineRestarts(limit=3, backoff_s=0.1))
 
     async def in_a_new_engine(pid: int | None) -> int:
@@ -88,7 +93,7 @@ def test_an_outside_kill_quarantines_nobody(ckpt, tok):
         return host._proc.pid
 
     async def scenario() -> list:
-        req = asyncio.create_task(_collect(host, tok.encode("1+1="), long, per_block=False))
+        req = asyncio.create_task(_collect(host, tok.encode("1+1="), LONG, per_block=False))
         pid = None
         for _ in range(2):
             pid = await in_a_new_engine(pid)

@@ -1,0 +1,43 @@
+"""A request that crashes the engine by itself, as a rare engine bug would, for the quarantine tests; the product
+has no hook for it. A test sets `POISON_ENV` (token ids, comma-separated) and puts `SITE` on the import path of
+the process that starts engine processes (`engine_process.start` hands its sys.path on as PYTHONPATH): Python
+then imports SITE's sitecustomize at each engine process's start, which wraps `Lockstep` so that a step with a
+prompt holding the poison raises, in the engine process only (the process that reads `engine_process.FD_ENV`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+POISON_ENV = "MBD_TEST_POISON"
+SITE = str(Path(__file__).parent / "poison_site")
+
+
+def holds(prompt_ids: list[int], poison: list[int]) -> bool:
+    n = len(poison)
+    return n > 0 and any(prompt_ids[i: i + n] == poison for i in range(len(prompt_ids) - n + 1))
+
+
+def install() -> None:
+    """Wrap Lockstep: admitted poisonous requests are remembered; a step that may run one raises (after the
+    engine process sent its `Running`, as an exception in the model's forward would)."""
+    from actors.messages import Add
+    from actors.tp_worker import Lockstep
+
+    poison = [int(t) for t in os.environ[POISON_ENV].split(",") if t]
+    apply, step = Lockstep.apply, Lockstep.step
+    poisoned: set[str] = set()
+
+    def apply_noting_poison(self: Lockstep, ops: list) -> list:
+        refused = apply(self, ops)
+        no = {r.request_id for r in refused}
+        poisoned.update(op.request_id for op in ops if isinstance(op, Add) and op.request_id not in no
+                        and holds(op.prompt_ids, poison))
+        return refused
+
+    def step_unless_poisoned(self: Lockstep) -> list:
+        if poisoned.intersection(self.in_step()):
+            raise RuntimeError(f"{POISON_ENV}: a poisonous request is in the step")
+        return step(self)
+
+    Lockstep.apply, Lockstep.step = apply_noting_poison, step_unless_poisoned
