@@ -1,8 +1,11 @@
 """A decode step against its physics: the engine's ms per step (compiled and CUDA-Graph captured on a GPU) for a
 paper model's shape with random weights, against the weight-streaming floor (the bytes of weights one batch-1 step
-reads, over the card's measured copy rate), with TPF, TPS and the kernels per step and per decoder layer from
-torch.profiler. The floor counts every weight for a dense model (as the first H200 report did) and, for the MoE,
-every weight but the routed experts plus the routed experts the step's tokens chose (counted by a hook).
+reads, over the card's copy rate: the median of event-timed device-to-device copies), with TPF, TPS and the kernels
+per step and per decoder layer from torch.profiler. A step reads every weight once (a tied head once, as the head)
+except the input embedding, of which it reads one row per query position, and, for the MoE, the routed experts:
+each cell's floor counts those its own steps chose (hooked in an eager run of the same prompts, batch and N_buf),
+beside the floor with every expert read. The MoE's random attention is sharpened so that its routing spreads as a
+trained model's does (`ATTENTION_SHARPEN`).
 
     python -m benchmarks.step_floor --shape sdar-8b --batch 1,16 --n-buf 1,2          # on a GPU
     python -m benchmarks.step_floor --shape tiny --device cpu --new 32                 # the same code on CPU
@@ -39,7 +42,12 @@ TINY = {"sdar": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, nu
                            num_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
                            moe_intermediate_size=64, first_k_dense_replace=1, partial_rotary_factor=0.5)}
 TEMPER = 10.0
-ROUTER_SCALE = 1.0
+# A trained LLaDA2-Mini block of 32 tokens routes to ~160 of 256 experts per layer; random weights route every mask
+# position of a block alike (attention logits near 0 give each position the same mix of its context), ~30-35.
+# Scaling the router's weights cannot change that (top-k of sigmoid scores is invariant to it: x10 gave 37 and 31
+# of 256 where x1 gave 35 and 29); sharpening attention (q and k norm weights x4, logits x16) makes positions
+# differ and the block route to 152 and 152 (LLaDA2-Mini's routing and attention shapes, 3 layers, SingleBD).
+ATTENTION_SHARPEN = 4.0
 
 
 def shape_config(shape: str, block: int) -> ModelConfig:
@@ -65,6 +73,10 @@ def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype) -> torch.nn.
     with torch.no_grad():
         model.lm_head.weight.mul_(TEMPER)
         model.lm_head.weight[cfg.eos_token_id].zero_()
+        if cfg.num_experts:  # a routing that spreads as a trained model's (ATTENTION_SHARPEN)
+            for name, p in model.named_parameters():
+                if name.endswith(("query_layernorm.weight", "key_layernorm.weight")):
+                    p.mul_(ATTENTION_SHARPEN)
     return model
 
 
@@ -233,7 +245,7 @@ def measure(shape: str, batches: list[int], n_bufs: list[int], block: int, new: 
     return {"shape": shape, "block": block, "device": device, "dtype": str(dtype).removeprefix("torch."),
             "copy_rate_tb_s": rate / 1e12, "matmul_tflops": flops / 1e12,
             "weight_bytes": sum(map(tensor_bytes, model.parameters())) + sum(map(tensor_bytes, model.buffers())),
-            "router_scale": ROUTER_SCALE if cfg.num_experts else None,
+            "attention_sharpen": ATTENTION_SHARPEN if cfg.num_experts else None,
             "floor_bytes": first["floor_bytes"], "floor_ms": first["floor_ms"],
             "naive_floor_bytes": first["naive_floor_bytes"], "naive_floor_ms": first["naive_floor_ms"], "cells": cells}
 
@@ -250,7 +262,7 @@ def active_params(model: torch.nn.Module, cfg: ModelConfig) -> float:
 
 
 def table(m: dict) -> str:
-    spread = f"; router weights x{m['router_scale']:g}" if m["router_scale"] else ""
+    spread = f"; q/k norms x{m['attention_sharpen']:g} (routing spread)" if m["attention_sharpen"] else ""
     lines = [f"{m['shape']} (B={m['block']}, {m['dtype']} on {m['device']}): copy rate {m['copy_rate_tb_s']:.2f} TB/s "
              f"(median of device-to-device copies), weights {m['weight_bytes'] / 1e9:.2f} GB; matrix rate "
              f"{m['matmul_tflops']:.0f} TFLOP/s{spread}",

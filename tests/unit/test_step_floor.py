@@ -4,7 +4,7 @@ shapes, written out here), the experts a cell's steps read, the copy rate's medi
 import pytest
 import torch
 
-from benchmarks.step_floor import copy_rate, decode_config, experts_read, random_model, shape_config, step_bytes
+from benchmarks.step_floor import ATTENTION_SHARPEN, copy_rate, decode_config, experts_read, random_model, shape_config, step_bytes
 from mbd.config import EngineConfig
 from mbd.decoding import Engine
 from mbd.model.llada2_moe import LLaDA2Gate
@@ -73,3 +73,12 @@ def test_the_copy_rate_is_the_median_of_the_timed_copies():
 
     assert copy_rate("cpu", 1000, repeats=5, timer=timer) == pytest.approx(2 * 1000 / 3.0)
     assert len(copied) == 5
+
+
+def test_only_the_moe_gets_sharpened_attention_for_its_routing():
+    norms = {}
+    for shape in ("tiny", "tiny-moe"):
+        model = random_model(shape_config(shape, 4), "cpu", torch.float32)
+        norms[shape] = {float(p.unique()) for n, p in model.named_parameters() if n.endswith(("q_norm.weight",
+                        "k_norm.weight", "query_layernorm.weight", "key_layernorm.weight"))}
+    assert norms == {"tiny": {1.0}, "tiny-moe": {ATTENTION_SHARPEN}}
