@@ -197,7 +197,8 @@ def kernels_per_step(engine: Engine, prompts: list[list[int]], new: int, device:
 
 def cell(model, cfg: ModelConfig, batch: int, n_bufs: list[int], new: int, repeats: int, device: str) -> list[dict]:
     """One (model, batch) cell: an engine per N_buf (compiled and captured at construction), ABAB repeats, medians;
-    for the MoE also the experts each N_buf's steps read, from an eager engine decoding the same prompts."""
+    for the MoE also the experts each N_buf's steps read, from an eager engine decoding the same prompts (its first
+    4 blocks' worth of tokens)."""
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, cfg.vocab_size - 2, (batch, 64), generator=g).tolist()
     ecfg = EngineConfig(device=device, max_batch_rows=batch, batch_buckets=[batch])
@@ -213,7 +214,8 @@ def cell(model, cfg: ModelConfig, batch: int, n_bufs: list[int], new: int, repea
     for n, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs[1:] or rs) for k in rs[0]}
         med["kernels_step"] = kernels_per_step(engines[n], prompts, 4 * cfg.block_size, device)
-        read = experts_read(model, Engine(model, None, decode_config(n, new), eager), prompts)
+        sample = decode_config(n, min(new, 4 * cfg.block_size))  # the cell's first steps: the row's time is short
+        read = experts_read(model, Engine(model, None, sample, eager), prompts)
         out.append(med | {"batch": batch, "n_buf": n, "warmup_s": engines[n].warmup_s, "experts_read": read})
     return out
 
