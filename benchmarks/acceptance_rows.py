@@ -169,7 +169,7 @@ def floor_row(index: int):
                                                      f"{c['naive_floor_ms']:.2f} ms)" if c["experts_read"] else "")
                          + f", TPF {c['tpf']:.2f}, TPS {c['tps']:.0f}" for c in m["cells"])
         ratio = one[1]["ms_step"] / one[0]["ms_step"]
-        return Row(f"step vs floor: {m['shape']}", "MEASURED", f"copy rate {m['copy_rate_tb_s']:.2f} TB/s; {text}; "
+        return Row(f"step vs floor: {m['shape']}", "MEASURED", f"copy rate {m['copy_rate_tb_s']:.3g} TB/s; {text}; "
                    f"N_buf 2 / SingleBD step {ratio:.2f}", data=m)
     return row
 

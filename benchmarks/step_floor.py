@@ -265,7 +265,7 @@ def active_params(model: torch.nn.Module, cfg: ModelConfig) -> float:
 
 def table(m: dict) -> str:
     spread = f"; q/k norms x{m['attention_sharpen']:g} (routing spread)" if m["attention_sharpen"] else ""
-    lines = [f"{m['shape']} (B={m['block']}, {m['dtype']} on {m['device']}): copy rate {m['copy_rate_tb_s']:.2f} TB/s "
+    lines = [f"{m['shape']} (B={m['block']}, {m['dtype']} on {m['device']}): copy rate {m['copy_rate_tb_s']:.3g} TB/s "
              f"(median of device-to-device copies), weights {m['weight_bytes'] / 1e9:.2f} GB; matrix rate "
              f"{m['matmul_tflops']:.0f} TFLOP/s{spread}",
              "| batch | N_buf | ms/step | floor ms (experts read) | x floor | floor ms (all experts) | x that floor | "
