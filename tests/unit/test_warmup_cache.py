@@ -60,6 +60,7 @@ def test_warmup_refuses_an_eager_engine(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # inductor's C++ compile of the tiny layer on a loaded host
 def test_warmup_fills_the_cache_a_replica_reads(tmp_path, capsys):
     """The tiny serve config at one bucket and N_buf 1 (2 shapes): the command compiles them, a line per shape and
     the total; an engine of the same config started with the cache compiles nothing."""
