@@ -436,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = set(args.parts.split(","))
     CLOCK["clock"] = args.clock
     t0 = time.perf_counter()
-    print(f"CPU, 1 torch thread, {args.clock} clock, random SDAR '{args.size}' (benchmarks/hf_baseline.py), tau_m2t {args.tau}, "
+    print(f"CPU, 1 torch thread, {args.clock} clock, random SDAR '{args.size}' (benchmarks/hf_baseline.py), "
+          f"tau_m2t {args.tau}, "
           f"{NEW} new tokens, engine max_length {MAX_LEN}, {args.repeats} repeats ABCD/DCBA, medians\n", flush=True)
     report_throughput(args, parts)
     report_steps(args, parts)

@@ -4,7 +4,8 @@ shapes, written out here), the experts a cell's steps read, the copy rate's medi
 import pytest
 import torch
 
-from benchmarks.step_floor import ATTENTION_SHARPEN, copy_rate, decode_config, experts_read, random_model, shape_config, step_bytes
+from benchmarks.step_floor import (ATTENTION_SHARPEN, copy_rate, decode_config, experts_read, random_model,
+                                   shape_config, step_bytes)
 from mbd.config import EngineConfig
 from mbd.decoding import Engine
 from mbd.model.llada2_moe import LLaDA2Gate
