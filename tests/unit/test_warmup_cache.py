@@ -2,6 +2,8 @@
 replica never reads kernels built for another; the command refuses what it cannot warm up, naming the field."""
 
 import json
+import logging
+import re
 
 import pytest
 import torch
@@ -61,7 +63,7 @@ def test_warmup_refuses_an_eager_engine(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # inductor's C++ compile of the tiny layer on a loaded host
-def test_warmup_fills_the_cache_a_replica_reads(tmp_path, capsys):
+def test_warmup_fills_the_cache_a_replica_reads(tmp_path, capsys, caplog):
     """The tiny serve config at one bucket and N_buf 1 (2 shapes): the command compiles them, a line per shape and
     the total; an engine of the same config started with the cache compiles nothing."""
     from torch._dynamo.utils import counters
@@ -69,10 +71,13 @@ def test_warmup_fills_the_cache_a_replica_reads(tmp_path, capsys):
     sets = ["engine.attention=flex", "engine.compile=default", "engine.batch_buckets=[1]", "engine.max_batch_rows=1",
             "decode.buffer_size=1"]
     argv = ["--config", "configs/serve/tiny.yaml", "--cache", str(tmp_path)] + [x for s in sets for x in ("--set", s)]
-    assert warmup.main(argv) == 0
-    out = capsys.readouterr()
-    assert "compile cache ready in" in out.out
-    assert out.err.count("engine warm-up: 1/2") == 1 and out.err.count("engine warm-up: 2/2") == 1
+    with caplog.at_level(logging.INFO, logger="mbd.engine"):
+        assert warmup.main(argv) == 0
+    assert "compile cache ready in" in capsys.readouterr().out
+    lines = [r.getMessage() for r in caplog.records if r.name == "mbd.engine"]
+    assert [x.split(" · ")[0] for x in lines if re.match(r"engine warm-up: \d+/\d+ \(", x)] == [
+        "engine warm-up: 1/2 (50%)", "engine warm-up: 2/2 (100%)"]
+    assert lines[-1].startswith("engine warm-up done: 2 compiled shapes in ")
     torch._dynamo.reset()
     counters.clear()
     warmup.warm("configs/serve/tiny.yaml", str(tmp_path), None, sets)
