@@ -80,6 +80,6 @@ def test_only_the_moe_gets_sharpened_attention_for_its_routing():
     norms = {}
     for shape in ("tiny", "tiny-moe"):
         model = random_model(shape_config(shape, 4), "cpu", torch.float32)
-        norms[shape] = {float(p.unique()) for n, p in model.named_parameters() if n.endswith(("q_norm.weight",
+        norms[shape] = {float(p.detach().unique()) for n, p in model.named_parameters() if n.endswith(("q_norm.weight",
                         "k_norm.weight", "query_layernorm.weight", "key_layernorm.weight"))}
     assert norms == {"tiny": {1.0}, "tiny-moe": {ATTENTION_SHARPEN}}
