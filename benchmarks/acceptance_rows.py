@@ -159,14 +159,17 @@ def graphs_row(s: Sizes, device: str, out: Path) -> Row:
 
 def floor_row(index: int):
     def row(s: Sizes, device: str, out: Path) -> Row:
-        """ms per step of SingleBD and N_buf 2 at batch 1 and 16 against the weight-streaming floor."""
+        """ms per step of SingleBD and N_buf 2 at batch 1 and 16 against each cell's weight-streaming floor (the
+        experts its steps read) and, side by side, the floor with every routed expert read; the copy rate."""
         m = measure(s.floor_shapes[index], list(s.floor_batches), [1, 2], s.floor_block, s.floor_new,
                     s.floor_repeats, device)
         one = [c for c in m["cells"] if c["batch"] == s.floor_batches[0]]
-        text = "; ".join(f"batch {c['batch']} N_buf {c['n_buf']}: {c['ms_step']:.2f} ms ({c['x_floor']:.2f}x floor), "
-                         f"TPF {c['tpf']:.2f}, TPS {c['tps']:.0f}" for c in m["cells"])
+        text = "; ".join(f"batch {c['batch']} N_buf {c['n_buf']}: {c['ms_step']:.2f} ms = {c['x_floor']:.2f}x floor "
+                         f"{c['floor_ms']:.2f} ms" + (f" ({c['x_naive_floor']:.2f}x all-experts floor "
+                                                     f"{c['naive_floor_ms']:.2f} ms)" if c["experts_read"] else "")
+                         + f", TPF {c['tpf']:.2f}, TPS {c['tps']:.0f}" for c in m["cells"])
         ratio = one[1]["ms_step"] / one[0]["ms_step"]
-        return Row(f"step vs floor: {m['shape']}", "MEASURED", f"floor {m['floor_ms']:.2f} ms; {text}; "
+        return Row(f"step vs floor: {m['shape']}", "MEASURED", f"copy rate {m['copy_rate_tb_s']:.3g} TB/s; {text}; "
                    f"N_buf 2 / SingleBD step {ratio:.2f}", data=m)
     return row
 

@@ -1,8 +1,11 @@
 """A decode step against its physics: the engine's ms per step (compiled and CUDA-Graph captured on a GPU) for a
 paper model's shape with random weights, against the weight-streaming floor (the bytes of weights one batch-1 step
-reads, over the card's measured copy rate), with TPF, TPS and the kernels per step and per decoder layer from
-torch.profiler. The floor counts every weight for a dense model (as the first H200 report did) and, for the MoE,
-every weight but the routed experts plus the routed experts the step's tokens chose (counted by a hook).
+reads, over the card's copy rate: the median of event-timed device-to-device copies), with TPF, TPS and the kernels
+per step and per decoder layer from torch.profiler. A step reads every weight once (a tied head once, as the head)
+except the input embedding, of which it reads one row per query position, and, for the MoE, the routed experts:
+each cell's floor counts those its own steps chose (hooked in an eager run of the same prompts, batch and N_buf),
+beside the floor with every expert read. The MoE's random attention is sharpened so that its routing spreads as a
+trained model's does (`ATTENTION_SHARPEN`).
 
     python -m benchmarks.step_floor --shape sdar-8b --batch 1,16 --n-buf 1,2          # on a GPU
     python -m benchmarks.step_floor --shape tiny --device cpu --new 32                 # the same code on CPU
@@ -18,6 +21,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,6 +42,12 @@ TINY = {"sdar": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, nu
                            num_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
                            moe_intermediate_size=64, first_k_dense_replace=1, partial_rotary_factor=0.5)}
 TEMPER = 10.0
+# A trained LLaDA2-Mini block of 32 tokens routes to ~160 of 256 experts per layer; random weights route every mask
+# position of a block alike (attention logits near 0 give each position the same mix of its context), ~30-35.
+# Scaling the router's weights cannot change that (top-k of sigmoid scores is invariant to it: x10 gave 37 and 31
+# of 256 where x1 gave 35 and 29); sharpening attention (q and k norm weights x4, logits x16) makes positions
+# differ and the block route to 152 and 152 (LLaDA2-Mini's routing and attention shapes, 3 layers, SingleBD).
+ATTENTION_SHARPEN = 4.0
 
 
 def shape_config(shape: str, block: int) -> ModelConfig:
@@ -63,21 +73,38 @@ def random_model(cfg: ModelConfig, device: str, dtype: torch.dtype) -> torch.nn.
     with torch.no_grad():
         model.lm_head.weight.mul_(TEMPER)
         model.lm_head.weight[cfg.eos_token_id].zero_()
+        if cfg.num_experts:  # a routing that spreads as a trained model's (ATTENTION_SHARPEN)
+            for name, p in model.named_parameters():
+                if name.endswith(("query_layernorm.weight", "key_layernorm.weight")):
+                    p.mul_(ATTENTION_SHARPEN)
     return model
 
 
-def copy_rate(device: str, nbytes: int) -> float:
-    """Bytes moved per second (read + written) by a device-to-device copy of `nbytes`, median of 5."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+def cuda_seconds(fn: Callable[[], object]) -> float:
+    """Device time of `fn`'s kernels between two CUDA events (host launch overhead and sync not counted)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def wall_seconds(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def copy_rate(device: str, nbytes: int, repeats: int = 7,
+              timer: Callable[[Callable[[], object]], float] | None = None) -> float:
+    """Bytes moved per second (read + written) by a device-to-device copy of `nbytes`: the median of `repeats`
+    copies after one untimed, each timed by `timer` (CUDA events on a GPU, the wall clock elsewhere)."""
+    timer = timer or (cuda_seconds if device == "cuda" else wall_seconds)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(6):
-        sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return 2 * nbytes / statistics.median(times[1:])
+    dst.copy_(src)
+    return 2 * nbytes / statistics.median(timer(lambda: dst.copy_(src)) for _ in range(repeats))
 
 
 def sync(device: str) -> None:
@@ -85,37 +112,58 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def weight_bytes(model: torch.nn.Module, experts_read: dict[int, float] | None = None) -> float:
-    """Every weight's bytes; for the MoE, each layer's routed experts count as many times as `experts_read`
-    (layer -> experts a step's tokens chose, on average) says."""
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def step_bytes(model: torch.nn.Module, rows_read: int, experts: dict[int, float] | None = None) -> float:
+    """Bytes of weights one decode step reads: every parameter and buffer once (a tied head is one parameter,
+    counted as the head), except that an untied input embedding reads only `rows_read` rows (one per query
+    position) and, for the MoE, MoE layer i reads `experts[i]` of its routed experts (None: all of them)."""
     from mbd.model.llada2_moe import LLaDA2Experts
 
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = sum(map(tensor_bytes, model.parameters())) + sum(map(tensor_bytes, model.buffers()))
+    table = model.model.embedding.weight
+    if table is not model.lm_head.weight:
+        total -= tensor_bytes(table) - min(rows_read, table.shape[0]) * tensor_bytes(table[0])
     for i, m in enumerate(x for x in model.modules() if isinstance(x, LLaDA2Experts)):
-        per_expert = sum(p[0].numel() * p.element_size() for p in m.parameters())
-        total -= per_expert * (m.num_experts - (experts_read or {}).get(i, m.num_experts))
+        per_expert = sum(tensor_bytes(p[0]) for p in m.parameters())
+        total -= per_expert * (m.num_experts - (experts or {}).get(i, m.num_experts))
     return total
 
 
-def experts_read(model: torch.nn.Module, cfg: ModelConfig, device: str) -> dict[int, float]:
-    """Per MoE layer, the distinct routed experts one batch-1 Block Buffer step's tokens chose, averaged over the
-    steps of a short eager decode (forward hooks do not fire inside CUDA Graphs); empty for a dense model."""
+def experts_read(model: torch.nn.Module, engine: Engine, prompts: list[list[int]]) -> dict[int, float]:
+    """Per MoE layer, the distinct routed experts a decode step of `engine` (eager: forward hooks do not fire
+    inside CUDA Graphs) chose for all its tokens together, the median over the steps of decoding `prompts`
+    (prefill forwards not counted); empty for a dense model."""
     from mbd.model.llada2_moe import LLaDA2Experts
 
     layers = [m for m in model.modules() if isinstance(m, LLaDA2Experts)]
     if not layers:
         return {}
     chosen: dict[int, list[int]] = {i: [] for i in range(len(layers))}
-    hooks = [m.register_forward_hook(lambda mod, args, out, i=i: chosen[i].append(len(set(args[1].flatten().tolist()))))
-             for i, m in enumerate(layers)]
+    prefilling = [False]
+
+    def count(i: int, args: tuple) -> None:
+        if not prefilling[0]:
+            chosen[i].append(args[1].unique().numel())
+
+    def prefill(*args, run=engine.runner.prefill, **kw) -> None:
+        prefilling[0] = True
+        try:
+            run(*args, **kw)
+        finally:
+            prefilling[0] = False
+
+    hooks = [m.register_forward_hook(lambda mod, args, out, i=i: count(i, args)) for i, m in enumerate(layers)]
+    engine.runner.prefill = prefill
     try:
-        eager = EngineConfig(device=device, max_batch_rows=1, attention="sdpa", compile="off", cuda_graphs="off")
-        prompt = torch.randint(0, cfg.vocab_size - 2, (1, 64), generator=torch.Generator().manual_seed(5)).tolist()
-        Engine(model, None, decode_config(2, 4 * cfg.block_size), eager).generate(prompt)
+        engine.generate(prompts)
     finally:
+        del engine.runner.prefill
         for h in hooks:
             h.remove()
-    return {i: statistics.mean(c[1:]) for i, c in chosen.items()}  # c[0]: the prompt's prefill
+    return {i: statistics.median(c) for i, c in chosen.items()}
 
 
 def decode_config(n_buf: int, new: int) -> DecodeConfig:
@@ -148,7 +196,9 @@ def kernels_per_step(engine: Engine, prompts: list[list[int]], new: int, device:
 
 
 def cell(model, cfg: ModelConfig, batch: int, n_bufs: list[int], new: int, repeats: int, device: str) -> list[dict]:
-    """One (model, batch) cell: an engine per N_buf (compiled and captured at construction), ABAB repeats, medians."""
+    """One (model, batch) cell: an engine per N_buf (compiled and captured at construction), ABAB repeats, medians;
+    for the MoE also the experts each N_buf's steps read, from an eager engine decoding the same prompts (its first
+    4 blocks' worth of tokens)."""
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, cfg.vocab_size - 2, (batch, 64), generator=g).tolist()
     ecfg = EngineConfig(device=device, max_batch_rows=batch, batch_buckets=[batch])
@@ -158,33 +208,48 @@ def cell(model, cfg: ModelConfig, batch: int, n_bufs: list[int], new: int, repea
         for n in (n_bufs if rep % 2 else n_bufs[::-1]):
             sync(device)
             runs[n].append(run(engines[n], prompts))
+    eager = EngineConfig(device=device, max_batch_rows=batch, batch_buckets=[batch], attention="sdpa",
+                         compile="off", cuda_graphs="off")
     out = []
     for n, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs[1:] or rs) for k in rs[0]}
         med["kernels_step"] = kernels_per_step(engines[n], prompts, 4 * cfg.block_size, device)
-        out.append(med | {"batch": batch, "n_buf": n, "warmup_s": engines[n].warmup_s})
+        sample = decode_config(n, min(new, 4 * cfg.block_size))  # the cell's first steps: the row's time is short
+        read = experts_read(model, Engine(model, None, sample, eager), prompts)
+        out.append(med | {"batch": batch, "n_buf": n, "warmup_s": engines[n].warmup_s, "experts_read": read})
     return out
+
+
+def floors(model, cfg: ModelConfig, c: dict, rate: float, flops: float) -> dict:
+    """A cell's floors: weight streaming with every routed expert read ("naive") and with the experts the cell's
+    steps read; the matrix floor (2 FLOPs per active weight per query position of the step)."""
+    rows = c["batch"] * c["n_buf"] * cfg.block_size
+    naive_b, read_b = step_bytes(model, rows), step_bytes(model, rows, c["experts_read"])
+    mm_ms = 1e3 * 2 * active_params(model, cfg) * rows / flops
+    return {"naive_floor_bytes": naive_b, "naive_floor_ms": 1e3 * naive_b / rate, "floor_bytes": read_b,
+            "floor_ms": 1e3 * read_b / rate, "x_floor": c["ms_step"] / (1e3 * read_b / rate),
+            "x_naive_floor": c["ms_step"] / (1e3 * naive_b / rate), "matmul_floor_ms": mm_ms,
+            "x_matmul": c["ms_step"] / mm_ms,
+            "kernels_layer": c["kernels_step"] / cfg.num_hidden_layers if c["kernels_step"] else None}
 
 
 def measure(shape: str, batches: list[int], n_bufs: list[int], block: int, new: int, repeats: int,
             device: str) -> dict:
-    """Every (batch, N_buf) cell of one model shape, and the floor of a batch-1 step."""
+    """Every (batch, N_buf) cell of one model shape against its floors; the top-level floor is the first cell's."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = shape_config(shape, block)
     model = random_model(cfg, device, dtype)
     rate, flops = copy_rate(device, (1 << 30) if device == "cuda" else (1 << 26)), matmul_rate(device, dtype)
-    floor_b = weight_bytes(model, experts_read(model, cfg, device))
     cells = [c for b in batches for c in cell(model, cfg, b, n_bufs, new, repeats, device)]
-    floor_ms = 1e3 * floor_b / rate
-    active = active_params(model, cfg)
-    for c in cells:  # the matrix floor: 2 FLOPs per active weight per query position of the step
-        mm_ms = 1e3 * 2 * active * c["batch"] * c["n_buf"] * block / flops
-        c |= {"floor_ms": floor_ms, "x_floor": c["ms_step"] / floor_ms, "matmul_floor_ms": mm_ms,
-              "x_matmul": c["ms_step"] / mm_ms,
-              "kernels_layer": c["kernels_step"] / cfg.num_hidden_layers if c["kernels_step"] else None}
+    for c in cells:
+        c |= floors(model, cfg, c, rate, flops)
+    first = cells[0]
     return {"shape": shape, "block": block, "device": device, "dtype": str(dtype).removeprefix("torch."),
-            "copy_rate_tb_s": rate / 1e12, "matmul_tflops": flops / 1e12, "weight_bytes": weight_bytes(model),
-            "floor_bytes": floor_b, "floor_ms": floor_ms, "cells": cells}
+            "copy_rate_tb_s": rate / 1e12, "matmul_tflops": flops / 1e12,
+            "weight_bytes": sum(map(tensor_bytes, model.parameters())) + sum(map(tensor_bytes, model.buffers())),
+            "attention_sharpen": ATTENTION_SHARPEN if cfg.num_experts else None,
+            "floor_bytes": first["floor_bytes"], "floor_ms": first["floor_ms"],
+            "naive_floor_bytes": first["naive_floor_bytes"], "naive_floor_ms": first["naive_floor_ms"], "cells": cells}
 
 
 def active_params(model: torch.nn.Module, cfg: ModelConfig) -> float:
@@ -199,15 +264,19 @@ def active_params(model: torch.nn.Module, cfg: ModelConfig) -> float:
 
 
 def table(m: dict) -> str:
-    lines = [f"{m['shape']} (B={m['block']}, {m['dtype']} on {m['device']}): copy rate {m['copy_rate_tb_s']:.2f} TB/s, "
-             f"floor {m['floor_bytes'] / 1e9:.2f} GB -> {m['floor_ms']:.3f} ms per batch-1 step; matrix rate "
-             f"{m['matmul_tflops']:.0f} TFLOP/s",
-             "| batch | N_buf | ms/step | x weight floor | x matmul floor | TPF | TPS | kernels/step | kernels/layer | "
-             "warm-up s |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    spread = f"; q/k norms x{m['attention_sharpen']:g} (routing spread)" if m["attention_sharpen"] else ""
+    lines = [f"{m['shape']} (B={m['block']}, {m['dtype']} on {m['device']}): copy rate {m['copy_rate_tb_s']:.3g} TB/s "
+             f"(median of device-to-device copies), weights {m['weight_bytes'] / 1e9:.2f} GB; matrix rate "
+             f"{m['matmul_tflops']:.0f} TFLOP/s{spread}",
+             "| batch | N_buf | ms/step | floor ms (experts read) | x floor | floor ms (all experts) | x that floor | "
+             "experts read / layer | x matmul floor | TPF | TPS | kernels/step | kernels/layer | warm-up s |",
+             "|---:" * 14 + "|"]
     for c in m["cells"]:
         k = "-" if c["kernels_step"] is None else f"{c['kernels_step']:.0f}"
         kl = "-" if c["kernels_layer"] is None else f"{c['kernels_layer']:.1f}"
-        lines.append(f"| {c['batch']} | {c['n_buf']} | {c['ms_step']:.2f} | {c['x_floor']:.2f} | {c['x_matmul']:.2f} | "
+        ex = f"{statistics.mean(c['experts_read'].values()):.0f}" if c["experts_read"] else "-"
+        lines.append(f"| {c['batch']} | {c['n_buf']} | {c['ms_step']:.2f} | {c['floor_ms']:.3f} | {c['x_floor']:.2f} | "
+                     f"{c['naive_floor_ms']:.3f} | {c['x_naive_floor']:.2f} | {ex} | {c['x_matmul']:.2f} | "
                      f"{c['tpf']:.2f} | {c['tps']:.0f} | {k} | {kl} | {c['warmup_s']:.1f} |")
     return "\n".join(lines)
 

@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("pipelines.export", "export a training checkpoint to a HuggingFace safetensors directory"),
     "generate": ("pipelines.generate", "decode prompts with SingleBD / MultiBD (Block Buffer engine)"),
     "serve": ("pipelines.serve", "start the OpenAI-compatible Ray Serve application"),
+    "warmup": ("pipelines.warmup", "compile a serve config's decode shapes into a compile cache ahead of serving"),
     "eval": ("pipelines.eval_sweep", "evaluation sweep: models x decoding configs x benchmarks"),
     "plan": ("pipelines.plan", "per-rank memory plan of a serve or train config (weights, KV pool, ZeRO states)"),
     "forward": ("pipelines.forward", "one forward pass of a model directory (smoke test)"),

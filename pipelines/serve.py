@@ -27,6 +27,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--port", type=int, help="override http.port")
     p.add_argument("--model", "--model-path", dest="model_path",
                    help="override model.path: a checkpoint directory or a Hugging Face Hub id ORG/NAME[@REVISION]")
+    p.add_argument("--cache", help="override engine.compile_cache (a folder `mbd warmup` filled)")
     p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else start a local one)")
     p.add_argument("--name", default="mbd", help="Serve application name")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     http = cfg.http.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v})
     http.api_key = http.api_key or os.environ.get("MBD_API_KEY") or None
     model = cfg.model.model_copy(update={"path": args.model_path} if args.model_path else {})
-    cfg = cfg.model_copy(update={"http": http, "model": model})
+    engine = cfg.engine.model_copy(update={"compile_cache": args.cache} if args.cache else {})
+    cfg = cfg.model_copy(update={"http": http, "model": model, "engine": engine})
     try:
         model_dir = cfg.model.resolved_path()
     except ConfigError as e:

@@ -18,7 +18,9 @@ runner's eager paged (flex) forward taking the function that calls each decoder 
 - The compile cache (`EngineConfig.compile_cache`): inductor and Triton read their folders only from the
   TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR variables (torch 2.13 has no config field for them; inductor reads
   them at each compile and hands them to its compile workers), so they are set while this module compiles and
-  restored after: a restarted replica loads its kernels from there instead of compiling them.
+  restored after: a restarted replica loads its kernels from there instead of compiling them. The folder given is
+  a root: each (torch, device, compiled config) has its own sub-folder (`keyed_cache`), so a cache built by
+  `mbd warmup` and copied to another node is read only by a replica that would compile the same kernels.
 - Capture (CUDA, `EngineConfig.cuda_graphs`): each shape's forward is a CUDA Graph replayed per step, every graph
   in one memory pool writing one logits buffer (`_capture`). With `compile: off` the captured forward is eager.
 """
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
 import logging
 import os
 import time
@@ -35,8 +39,9 @@ from typing import NamedTuple
 
 import torch
 
-from mbd.config import ConfigError, EngineConfig
+from mbd.config import ConfigError, EngineConfig, ModelConfig
 from mbd.model.base import LayerCall, call_layer
+from mbd.progress import ProgressLine
 
 log = logging.getLogger("mbd.engine")
 
@@ -106,6 +111,47 @@ def compile_cache(path: str | None) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def device_tag(device: torch.device) -> str:
+    """What compiled kernels are specific to: the GPU's name and compute capability, or the CPU's vector ISA."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
+    return f"cpu {torch.backends.cpu.get_cpu_capability()}"
+
+
+def cache_key(cfg: ModelConfig, dtype: torch.dtype, mode: DecodeMode, tp_world: int, device: torch.device) -> dict:
+    """What decides the kernels a compiled decode forward loads: torch, the device, and a hash of the config that
+    shapes a decoder layer (the model's, less max_position_embeddings: positions enter the layers as cos/sin
+    tensors; the dtype, attention, compile mode and TP degree). Batch buckets and N_buf only add shapes, which the
+    compile cache keys itself, so they share the folder."""
+    config = {"model": cfg.model_dump(mode="json", exclude={"max_position_embeddings"}),
+              "dtype": str(dtype).removeprefix("torch."), "attention": mode.attention, "compile": mode.compile,
+              "tp": tp_world}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    return {"torch": torch.__version__, "device": device_tag(device), "config": digest}
+
+
+def keyed_cache(root: str | None, key: dict) -> str | None:
+    """`root`'s folder for `key` (None: torch's default cache), made on first use with the key written in it;
+    a folder whose written key differs (copied or renamed by hand) is refused, never read."""
+    if not root:
+        return None
+    name = "-".join(key[k] for k in ("torch", "device", "config"))
+    path = os.path.join(os.path.abspath(root), "".join(c if c.isalnum() or c in "+.-_" else "_" for c in name))
+    stamp = os.path.join(path, "key.json")
+    if os.path.isfile(stamp):
+        with open(stamp) as f:
+            found = json.load(f)
+        if found != key:
+            raise ConfigError(f"compile_cache: {path} holds kernels built for {found}, this engine needs {key}; "
+                              "refused (remove the folder or point compile_cache elsewhere)")
+    else:
+        os.makedirs(path, exist_ok=True)
+        with open(stamp, "w") as f:
+            json.dump(key, f)
+    return path
+
+
 class CompiledForward:
     """The paged decode forward at fixed shapes: its decoder layers compiled (mode "off": eager) and, with
     `graphs`, each shape captured as a CUDA Graph. `forward(rows, slots, window, call)` is the eager forward;
@@ -139,15 +185,20 @@ class CompiledForward:
         return out
 
     def warmup(self, shapes: Sequence[Shape], say: Callable[[str], None] = log.info) -> float:
-        """Compile every shape and capture its graph before serving, so no request waits for either; one line
-        before, one after. Returns the seconds it took."""
+        """Compile every shape and capture its graph before serving, so no request waits for either; a line
+        before, one per shape (done / total, elapsed, ETA) and the total. Returns the seconds it took."""
         what = f"{len(shapes)} CUDA Graphs" if self.mode.graphs else f"{len(shapes)} compiled shapes"
         say(f"engine warm-up: {what} (compile: {self.mode.compile}; cache: {self.cache or 'torch default'})")
+        progress = ProgressLine("engine warm-up", len(shapes), show=False, every_s=float("inf"))
         t0 = time.perf_counter()
         with torch.inference_mode():
-            for shape in shapes:
-                if shape not in self.prepared:
-                    self._prepare(shape)
+            for rows, slots, window in shapes:
+                t = time.perf_counter()
+                if (rows, slots, window) not in self.prepared:
+                    self._prepare((rows, slots, window))
+                progress.update(shape=f"rows {rows}, slots {slots}, window {window}",
+                                took=f"{time.perf_counter() - t:.1f} s")
+                say(progress.line())
         seconds = time.perf_counter() - t0
         say(f"engine warm-up done: {what} in {seconds:.1f} s")
         return seconds

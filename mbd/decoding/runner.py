@@ -43,7 +43,7 @@ from torch import nn
 
 from mbd.config import EngineConfig
 from mbd.decoding.batch import DecodeBatch, PrefillChunk, RowOutput
-from mbd.decoding.compiled import CompiledForward, decode_mode, decode_shapes
+from mbd.decoding.compiled import CompiledForward, cache_key, decode_mode, decode_shapes, keyed_cache
 from mbd.decoding.guided import Guide, RowFix
 from mbd.decoding.policy import Policy
 from mbd.decoding.state import FREE_ROW, BatchBuffers, RowLayout, SlotState
@@ -114,8 +114,9 @@ class ModelRunner:
                                          c.page_table.shape[1], dev)
         self.compiled = None  # the compiled / captured forward (flex only), or eager decoding
         if mode.static:
-            self.compiled = CompiledForward(self._paged_forward, mode, engine.compile_cache,
-                                            next(model.parameters()).dtype, rows, self.q)
+            dtype, tp = next(model.parameters()).dtype, getattr(model, "tp", SINGLE).world
+            cache = keyed_cache(engine.compile_cache, cache_key(model.cfg, dtype, mode, tp, dev))
+            self.compiled = CompiledForward(self._paged_forward, mode, cache, dtype, rows, self.q)
         self._inputs: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # sdpa: (positions, mask)
         self._uploaded = [FREE_ROW] * rows  # what the device's slot states and committed lengths hold
         self._table_version = -1  # the cache's page-table version the paged masks were derived from
