@@ -27,7 +27,7 @@ README = ROOT / "README.md"
 PROGRAMS = ("mbd", "python", "python3", "pip", "bash", "ray", "serve", "kubectl", "curl")
 
 CORPUS = "python -c \"from mbd.tiny.task import generate, write_jsonl; write_jsonl('runs/tiny/train.jsonl', " \
-         "generate('train', 2000, seed=1000))\""
+         "generate('posttrain', 2000, seed=0))\""
 GENERATE = 'mbd generate --config configs/decode/tiny_multibd.yaml "3*4+2*7-5"'
 FORWARD = "mbd forward --model mbd/assets/tiny"
 EXPAND = "mbd expand --config configs/expand/tiny.yaml"
