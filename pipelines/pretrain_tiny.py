@@ -5,8 +5,9 @@
 
 Three stages, all a pure function of the seed: (1) the tinymath pretrain part as a prompt/response JSONL
 corpus (`mbd.tiny.task`: disjoint from the post-training corpus and the held-out problems by construction),
-(2) the char-level tokenizer (`mbd.tiny.vocab`) and a randomly initialised `sdar` model written as an HF directory, (3) block-diffusion teacher forcing (`layouts.mode: tf`, every response
-block its own noise-group) through the same Ray Train + DeepSpeed path as MultiTF (`run_train`), whose
+(2) the char-level tokenizer (`mbd.tiny.vocab`) and a randomly initialised `sdar` model written as an HF
+directory, (3) block-diffusion teacher forcing (`layouts.mode: tf`, every response block its own noise-group)
+through the same Ray Train + DeepSpeed path as MultiTF (`run_train`), whose
 final checkpoint is exported to --out. This is the SingleBD base of the project, as the paper's base
 models are ordinary BD-LMs before MultiTF. A re-run with the same work directory resumes the Ray Train run.
 """

@@ -23,8 +23,9 @@ from mbd.eval.sweep import ResultStore
 from mbd.multitf.schedulers import SchedulerConfig
 
 __all__ = ["DEFAULT_CONFIG", "BENCHMARK", "SINGLEBD", "MULTIBD_TF", "MethodSpec", "QuickstartConfig", "ExpandSection",
-           "load_config", "Stages", "write_corpus", "expand_stage", "train_config", "train_stage", "point_name",
-           "sweep_config", "as_methods", "rows_of", "tps_stage", "curves_of", "section_title", "overrides_of"]
+           "ClaimSeeds", "load_config", "Stages", "write_corpus", "expand_stage", "train_config", "train_stage",
+           "point_name", "sweep_config", "as_methods", "rows_of", "tps_stage", "curves_of", "section_title",
+           "overrides_of"]
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
 BENCHMARK = "tinymath"
@@ -90,6 +91,17 @@ class EvalSection(StrictModel):
                 for i, o in enumerate(self.overrides(path))]
 
 
+class ClaimSeeds(StrictModel):
+    """`mbd reproduce`: the training seeds each claim is judged over, fixed before anything trains. The count is part
+    of the run's pre-registration (pipelines/preregistration.py): another count is another run, so a verdict is
+    never revised by adding seeds until it turns. (b) needs no trained model; (f) pools the traces of (a)'s runs."""
+
+    a: int = Field(default=5, ge=1)
+    c: int = Field(default=5, ge=1)
+    d: int = Field(default=5, ge=1)
+    e: int = Field(default=5, ge=1)
+
+
 class ServeSection(StrictModel):
     enabled: bool = True
     config: str = "configs/serve/tiny.yaml"
@@ -108,6 +120,7 @@ class QuickstartConfig(StrictModel):
     expand: ExpandSection = ExpandSection()
     train: TrainSection = TrainSection()
     eval: EvalSection = EvalSection()
+    claim_seeds: ClaimSeeds = ClaimSeeds()
     serve: ServeSection = ServeSection()
 
     @model_validator(mode="after")

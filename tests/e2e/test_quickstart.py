@@ -121,11 +121,12 @@ def test_reproduce_judges_from_stored_records_and_marks_missing_parts_not_run(tm
     from mbd.eval.sweep import ItemRecord, ResultStore
     from pipelines.reproduce import claim_methods, judge_all, methods_for, runs_of
 
-    cfg = load_config(DEFAULT_CONFIG, ["eval.problems=4", "eval.claim_problems=6"])
-    runs = runs_of(cfg, ["chain"], 1)
+    cfg = load_config(DEFAULT_CONFIG, ["eval.problems=4", "eval.claim_problems=6", "claim_seeds.a=1",
+                                       "claim_seeds.c=1"])
+    runs = runs_of(cfg, ["core"])
     methods = methods_for(cfg, runs)
     stored, claim_stored = set(), set()
-    for where, n, kept, points in (("eval", 4, methods, None), ("claims", 6, claim_methods(methods, runs), 1)):
+    for where, n, kept, points in (("eval", 4, methods, None), ("claims", 6, claim_methods(cfg, methods, runs), 1)):
         store = ResultStore(tmp_path / where)
         ids = [p.problem_id for p in get_benchmark("tinymath").load(limit=n)]
         for label, key, path, model in kept:
