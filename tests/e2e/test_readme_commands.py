@@ -44,7 +44,7 @@ RUN_BY = {
     "python -m pytest -m slow": "the marker and the default suite's exclusion are checked here",
     "python -m benchmarks.gpu_acceptance --budget 420": "tests/unit/test_gpu_acceptance_quick.py (--device cpu --quick; "
                                                         "the short run's order and budget)",
-    "python -m benchmarks.tiny_parity": "by hand before a training-recipe change (20 minutes; docs/training.md)",
+    "python -m benchmarks.tiny_parity": "by hand before a training-recipe change (about 35 minutes; docs/training.md)",
     "mbd quickstart": "tests/e2e/test_quickstart.py (reduced: --steps 2 --problems 6 --corpus 24)",
     "mbd reproduce": "here, slow (reduced: --parts core --steps 2 --problems 4 --claim-problems 8 --corpus 16 "
                      "--seeds 2)",
