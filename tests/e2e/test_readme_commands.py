@@ -216,8 +216,9 @@ def test_reproduce_and_pretrain_tiny_run_reduced(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert mbd(["reproduce", "--parts", "core", "--steps", "2", "--problems", "4", "--claim-problems", "8",
                 "--corpus", "16", "--seeds", "2", "--run-dir", str(tmp_path / "reproduce"), "--no-progress"]) == 0
-    report = (tmp_path / "reproduce" / "reproduce.md").read_text()
+    (report,) = [p.read_text() for p in (tmp_path / "reproduce").glob("a2-c2-d2-e2-*/reproduce.md")]  # its folder
     assert "over 2 seeds" in report and "n=8" in report  # claim (a) over both seeds, on the claim problems
+    assert "training seeds per claim (a) 2, (c) 2, (d) 2, (e) 2" in report  # the counts registered up front
     work = tmp_path / "pretrain"
     assert mbd(["pretrain-tiny", "--steps", "2", "--out", str(work / "out"), "--eval-problems", "2", "--no-progress",
                 "--set", "corpus.problems=64", "--set", f"train.run.storage_path={work}",
