@@ -37,7 +37,7 @@ def setup(root: Path, hidden: int, layers: int) -> tuple[Path, Path]:
     model_dir = root / "model"
     save_checkpoint(build_model(cfg, seed=0), cfg, model_dir)
     save_tokenizer(model_dir)
-    corpus = write_jsonl(root / "train.jsonl", generate("train", 512, seed=0))
+    corpus = write_jsonl(root / "train.jsonl", generate("pretrain", 512, seed=0))
     return model_dir, corpus
 
 

@@ -3,10 +3,11 @@
     mbd pretrain-tiny                                  # configs/train/tiny_pretrain.yaml -> mbd/assets/tiny
     mbd pretrain-tiny --steps 200 --out /tmp/tiny --set train.deepspeed.lr=2e-3
 
-Three stages, all a pure function of the seed: (1) the tinymath training split as a prompt/response JSONL
-corpus (`mbd.tiny.task`), (2) the char-level tokenizer (`mbd.tiny.vocab`) and a randomly initialised `sdar`
-model written as an HF directory, (3) block-diffusion teacher forcing (`layouts.mode: tf`, every response
-block its own noise-group) through the same Ray Train + DeepSpeed path as MultiTF (`run_train`), whose
+Three stages, all a pure function of the seed: (1) the tinymath pretrain part as a prompt/response JSONL
+corpus (`mbd.tiny.task`: disjoint from the post-training corpus and the held-out problems by construction),
+(2) the char-level tokenizer (`mbd.tiny.vocab`) and a randomly initialised `sdar` model written as an HF
+directory, (3) block-diffusion teacher forcing (`layouts.mode: tf`, every response block its own noise-group)
+through the same Ray Train + DeepSpeed path as MultiTF (`run_train`), whose
 final checkpoint is exported to --out. This is the SingleBD base of the project, as the paper's base
 models are ordinary BD-LMs before MultiTF. A re-run with the same work directory resumes the Ray Train run.
 """
@@ -50,7 +51,7 @@ class ArchSection(StrictModel):
 
 
 class CorpusSection(StrictModel):
-    problems: int = Field(default=80000, gt=0, description="training-split problems in the corpus")
+    problems: int = Field(default=80000, gt=0, description="pretrain-part problems in the corpus")
 
 
 class PretrainConfig(StrictModel):
@@ -71,10 +72,10 @@ def model_config(arch: ArchSection) -> ModelConfig:
 
 def prepare(cfg: PretrainConfig) -> ModelConfig:
     """Write the corpus and the random-init model directory named by `cfg.train` (idempotent for a seed)."""
-    n, available = cfg.corpus.problems, split_size("train")
+    n, available = cfg.corpus.problems, split_size("pretrain")
     if n > available:
-        raise ConfigError(f"corpus.problems={n}: the tinymath train split holds only {available} problems")
-    write_jsonl(cfg.train.data.jsonl, generate("train", n, cfg.seed))
+        raise ConfigError(f"corpus.problems={n}: the tinymath pretrain part holds only {available} problems")
+    write_jsonl(cfg.train.data.jsonl, generate("pretrain", n, cfg.seed))
     mcfg = model_config(cfg.model)
     init = Path(cfg.train.model_path)
     save_checkpoint(build_model(mcfg, seed=cfg.seed), mcfg, init)

@@ -3,8 +3,8 @@ the last measured report and the time of each part on 2 CPU cores).
 
     mbd reproduce                                      # all parts -> runs/reproduce/reproduce.md
     mbd reproduce --parts core                         # claims (a), (b), (c), (f) only
-    mbd reproduce --parts core --seeds 3               # every variant trained with 3 seeds, claims over seeds
-    mbd reproduce --parts schedulers --steps 150       # claim (d); reuses what earlier runs stored
+    mbd reproduce --parts core --seeds 3               # every claim pre-registered with 3 seeds (a new run)
+    mbd reproduce --parts schedulers                   # claim (d) in the same run: chain-uniform runs are shared
     mbd reproduce --report-only                        # rewrite the report from what is stored
 
 Claims (paper section), each judged by a stated test on the same held-out problems (mbd.eval.claims): a 95%
@@ -20,9 +20,14 @@ on eval.claim_problems (10,000) held-out problems, the AUP claims on the curves'
       MultiBD curve sweeps tau_m2t down to 0.5, tau_add and buffer_size                       (tab:ablation)
   (f) active blocks per forward: mean about 2 (bootstrap CI over requests inside [1.5, 2.5]), 3 or more
       occasionally (0 < share <= 50%)                                     (fig:train_infer_noise_activity D-E)
+Pre-registered seeds: `claim_seeds` (default 5 each for (a), (c), (d), (e); `--seeds N` sets all four) fixes
+before anything trains how many training seeds each claim is judged over (pipelines/preregistration.py). The run
+lives in a folder named by that registration, so another count is another run with its own verdicts, and a claim
+is judged over exactly its registered seeds (the first N of each variant it compares), never more, or NOT RUN
+until all of them are stored: no verdict changes by adding seeds to a run. (f) pools the traces of (a)'s runs.
 With one seed the CIs are over problems (paired Wald, paired bootstrap for AUP): they judge the one trained model.
-With `--seeds N` every variant is trained N times (seed s: the quickstart recipe with `seed: s`, so its corpus,
-layouts, noise and row order), and (a), (c), (d), (e) are judged over seeds (`mbd.eval.stats.seed_interval`):
+With N >= 2 (seed s: the quickstart recipe with `seed: s`, so its corpus, layouts, noise and row order) the
+claim is judged over seeds (`mbd.eval.stats.seed_interval`):
 the mean of the per-seed differences with a Student-t interval whose variance adds the seed-to-seed spread to
 the problems' share (Welch-Satterthwaite degrees of freedom: about N-1 when the seeds disagree). A seed-level
 test, not a pooled one: a paired test over problems pooled across seeds treats the N trained models as fixed, so
@@ -32,7 +37,7 @@ Every MBD variant post-trains the shipped base with the same corpus, steps and o
 expansion job has no random-only mode: that variant is expanded with as many random layouts as there are
 systematic ones and the systematic rows are filtered out by a Ray Data pass.
 
-Resumable: every variant's expansion and exported model are kept under the run directory and skipped when
+Resumable: every variant's expansion and exported model are kept under the registration's folder and skipped when
 present (an interrupted training run resumes from its last Ray Train checkpoint), and the evaluation sweep
 decodes only problems it has not stored. An honest NOT REPRODUCED is a result, not a failure (exit code 0).
 """
@@ -53,6 +58,7 @@ from mbd.eval.claims import Claim, Curve, claims_table, judge_active, judge_aup,
 from mbd.eval.report import MethodRow, SweepSummary, method_table
 from mbd.eval.sweep import ResultStore
 from mbd.multitf.layouts import num_layouts
+from pipelines.preregistration import REGISTRATION, Registration, register, registration_dir
 from pipelines.ray_session import ray_session
 from pipelines.stages import (BENCHMARK, DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, ExpandSection, MethodSpec,
                               QuickstartConfig, Stages, curves_of, expand_stage, load_config, overrides_of, point_name,
@@ -65,6 +71,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "schedulers": ("chain", "d2f", "random", "sorted"),
     "layouts": ("chain", "systematic", "random-layouts"),
 }
+PART_CLAIMS: dict[str, tuple[str, ...]] = {"core": ("a", "c"), "schedulers": ("d",), "layouts": ("e",)}
 CHECKPOINT_EVERY = 100  # steps between Ray Train checkpoints: what an interrupted variant loses at most
 
 
@@ -105,8 +112,22 @@ class Run(NamedTuple):
         return VARIANTS[self.variant].label + ("" if self.first else f" [seed {self.seed}]")
 
 
-def runs_of(cfg: QuickstartConfig, variants: Sequence[str], seeds: int) -> list[Run]:
-    return [Run(v, cfg.seed + k, k == 0) for v in variants for k in range(seeds)]
+def seeds_of(cfg: QuickstartConfig, claim: str) -> int:
+    return getattr(cfg.claim_seeds, claim)
+
+
+def runs_of(cfg: QuickstartConfig, parts: Sequence[str]) -> list[Run]:
+    """Each variant of `parts` trained as many times as the most seeds a claim of those parts registered for it."""
+    need: dict[str, int] = {}
+    for part in parts:
+        for v in PARTS[part]:
+            need[v] = max([need.get(v, 0), *(seeds_of(cfg, c) for c in PART_CLAIMS[part])])
+    return [Run(v, cfg.seed + k, k == 0) for v, n in need.items() for k in range(n)]
+
+
+def first_runs(runs: Sequence[Run], variant: str, n: int) -> list[Run]:
+    """The first `n` seeds of `variant`: the runs a claim registered with n seeds is judged over."""
+    return [r for r in runs if r.variant == variant][:n]
 
 
 def corpus_of(run: Path, r: Run) -> Path:
@@ -167,9 +188,11 @@ def methods_for(cfg: QuickstartConfig, runs: Sequence[Run]) -> list[MethodSpec]:
     return out + [(r.label, r.model, cfg.eval.multibd, r.model) for r in runs]
 
 
-def claim_methods(methods: Sequence[MethodSpec], runs: Sequence[Run]) -> list[MethodSpec]:
-    """The methods of claims (a)-(c): the base under SingleBD and MultiBD, and the chain-uniform runs."""
-    keep = {SINGLEBD, MULTIBD_TF} | {r.label for r in runs if r.variant == "chain"}
+def claim_methods(cfg: QuickstartConfig, methods: Sequence[MethodSpec], runs: Sequence[Run]) -> list[MethodSpec]:
+    """The methods of claims (a)-(c): the base under SingleBD and MultiBD, and the chain-uniform runs they
+    registered."""
+    n = max(seeds_of(cfg, "a"), seeds_of(cfg, "c"))
+    keep = {SINGLEBD, MULTIBD_TF} | {r.label for r in first_runs(runs, "chain", n)}
     return [m for m in methods if m[0] in keep]
 
 
@@ -184,29 +207,40 @@ def complete(cfg: QuickstartConfig, methods: Sequence[MethodSpec], stored: set[t
 
 def judge_all(cfg: QuickstartConfig, run: Path, runs: Sequence[Run], stored: set[tuple[str, str]],
               claim_stored: set[tuple[str, str]]) -> list[Claim]:
-    """Every claim from the per-problem records stored for the complete methods (others are NOT RUN): (a)-(c) from
+    """Every claim from the per-problem records stored for the complete methods, each over exactly the seeds it
+    registered (a claim missing one of them is NOT RUN; a stored run beyond them is never looked at): (a)-(c) from
     the operating points on eval.claim_problems (`claim_stored`), (d) and (e) from the curves on eval.problems."""
     methods = methods_for(cfg, runs)
     curves = curves_of(cfg, run / "eval", complete(cfg, methods, stored))
-    main = curves_of(cfg, run / "claims", complete(cfg, claim_methods(methods, runs), claim_stored, operating=True),
-                     cfg.eval.claim_problems, operating=True)
+    main = curves_of(cfg, run / "claims", complete(cfg, claim_methods(cfg, methods, runs), claim_stored,
+                                                   operating=True), cfg.eval.claim_problems, operating=True)
 
-    def seeds(variant: str, pool: dict[str, Curve]) -> list[Curve] | None:
-        labels = [r.label for r in runs if r.variant == variant]
-        return [pool[label] for label in labels] if labels and all(label in pool for label in labels) else None
+    def seeds(variant: str, claim: str, pool: dict[str, Curve]) -> list[Curve] | None:
+        n = seeds_of(cfg, claim)
+        labels = [r.label for r in first_runs(runs, variant, n)]
+        return [pool[label] for label in labels] if len(labels) == n and all(lb in pool for lb in labels) else None
 
     def group(part: str) -> list[list[Curve]] | None:
-        found = [seeds(v, curves) for v in PARTS[part]]
+        found = [seeds(v, PART_CLAIMS[part][0], curves) for v in PARTS[part]]
         return None if any(f is None for f in found) else found
 
     store = ResultStore(run / "eval")
-    traces = [t for r in runs if r.variant == "chain"
+    traces = [t for r in first_runs(runs, "chain", seeds_of(cfg, "a"))
               for t in store.load_traces(r.model, point_name(r.model, cfg.eval.curve[0]), BENCHMARK).values()]
-    return [*judge_main(main.get(SINGLEBD), main.get(MULTIBD_TF), seeds("chain", main)),
-            judge_aup("d", group("schedulers")), judge_aup("e", group("layouts")), judge_active(traces)]
+    single, free = main.get(SINGLEBD), main.get(MULTIBD_TF)
+    a_b = judge_main(single, free, seeds("chain", "a", main))[:2]
+    c = judge_main(single, free, seeds("chain", "c", main))[2]
+    return [*a_b, c, judge_aup("d", group("schedulers")), judge_aup("e", group("layouts")), judge_active(traces)]
 
 
-def write_report(path: Path, cfg: QuickstartConfig, runs: Sequence[Run], rows: dict[str, MethodRow],
+def registration_line(cfg: QuickstartConfig, reg: Registration) -> str:
+    counts = ", ".join(f"({k}) {v}" for k, v in cfg.claim_seeds.model_dump().items())
+    return (f"Pre-registered at {reg.registered_at}, before any training (`{REGISTRATION}`): training seeds per claim "
+            f"{counts}. Each claim is judged over exactly these seeds; another count is another run in another folder, "
+            f"so no verdict here changes by adding seeds.")
+
+
+def write_report(path: Path, cfg: QuickstartConfig, reg: Registration, runs: Sequence[Run], rows: dict[str, MethodRow],
                  claims: Sequence[Claim], wall_s: dict[str, float], sweep_report: str) -> str:
     def table(variants: Sequence[str], title: str, base: Sequence[str] = (SINGLEBD,)) -> str:
         labels = [*base, *(r.label for v in variants for r in runs if r.variant == v)]
@@ -214,8 +248,8 @@ def write_report(path: Path, cfg: QuickstartConfig, runs: Sequence[Run], rows: d
 
     t, seeds = cfg.train, sorted({r.seed for r in runs})
     lines = [
-        "# `mbd reproduce`: the paper's claims on the tiny model", "",
-        f"Base: `{cfg.base_model}`; corpus: {cfg.corpus.problems} tinymath train problems; MultiTF: {t.steps} "
+        "# `mbd reproduce`: the paper's claims on the tiny model", "", registration_line(cfg, reg), "",
+        f"Base: `{cfg.base_model}`; corpus: {cfg.corpus.problems} tinymath posttrain problems; MultiTF: {t.steps} "
         f"steps, {t.num_workers} workers x micro-batch {t.micro_batch_size}, ZeRO-{t.zero_stage}, lr {t.lr}; "
         f"G_max {cfg.expand.gmax}, N_rand {cfg.expand.n_rand}; seeds {seeds} (each a fresh run: corpus, layouts, "
         f"noise, row order). Claims (a)-(c): operating points on the first {cfg.eval.claim_problems} held-out "
@@ -245,7 +279,7 @@ def write_report(path: Path, cfg: QuickstartConfig, runs: Sequence[Run], rows: d
 def train_all(cfg: QuickstartConfig, run: Path, base: Path, runs: Sequence[Run], stages: Stages,
               progress: bool) -> None:
     """Each seed's corpus, then every run's expansion and training (stored ones are skipped)."""
-    with stages.run("corpus", f"{cfg.corpus.problems} tinymath train-split problems per seed"):
+    with stages.run("corpus", f"{cfg.corpus.problems} tinymath posttrain-part problems per seed"):
         for r in {r.seed: r for r in runs}.values():
             write_corpus(corpus_of(run, r), cfg.corpus.problems, r.seed)
     for r in runs:
@@ -255,19 +289,24 @@ def train_all(cfg: QuickstartConfig, run: Path, base: Path, runs: Sequence[Run],
             train_variant(cfg, run, base, r, rows_dir, progress)
 
 
-def run_reproduce(cfg: QuickstartConfig, run: Path, parts: Sequence[str], progress: bool = True,
-                  report_only: bool = False, seeds: int = 1) -> tuple[list[Claim], Path]:
+def run_reproduce(cfg: QuickstartConfig, run_dir: Path, parts: Sequence[str], progress: bool = True,
+                  report_only: bool = False) -> tuple[list[Claim], Path]:
+    """The run registered by `cfg` under `run_dir` (registered now if new; `report_only` needs it registered)."""
     base = resolve_path(cfg.base_model)
     if not (base / "config.json").is_file():
         raise ConfigError(f"base_model: {cfg.base_model} has no config.json (train it with `mbd pretrain-tiny`)")
-    runs = runs_of(cfg, list(dict.fromkeys(v for p in parts for v in PARTS[p])), seeds)
-    run.mkdir(parents=True, exist_ok=True)
+    if report_only and not (registration_dir(cfg, run_dir) / REGISTRATION).is_file():
+        raise ConfigError(f"--report-only: no run registered with this config under {run_dir} (expected "
+                          f"{registration_dir(cfg, run_dir)}); pass the settings of the run to report")
+    run, reg = register(cfg, run_dir)
+    print(f"run: {run} (pre-registered {reg.registered_at})", flush=True)
+    runs = runs_of(cfg, parts)
     plan = [] if report_only else ["corpus", *(f"{w}:{r.key}" for r in runs for w in ("expand", "train")), "eval",
                                    "claims"]
     stages = Stages(plan)
     models = [("base", base)] + [(r.model, run / "variants" / r.key / "model") for r in runs]
     methods = methods_for(cfg, runs)
-    chain = claim_methods(methods, runs)
+    chain = claim_methods(cfg, methods, runs)
     sweeps = {"eval": sweep_config(cfg, run / "eval", models, methods),
               "claims": sweep_config(cfg, run / "claims", [m for m in models if m[0] in {c[3] for c in chain}], chain,
                                      cfg.eval.claim_problems, operating=True)}
@@ -290,11 +329,11 @@ def run_reproduce(cfg: QuickstartConfig, run: Path, parts: Sequence[str], progre
         from mbd.eval.sweep import load_problems
 
         summary, claimed = (write_sweep_report(s, load_problems(s)) for s in sweeps.values())
-    return report(cfg, run, runs, summary, claimed, stages)
+    return report(cfg, run, reg, runs, summary, claimed, stages)
 
 
-def report(cfg: QuickstartConfig, run: Path, runs: Sequence[Run], summary: SweepSummary, claimed: SweepSummary,
-           stages: Stages) -> tuple[list[Claim], Path]:
+def report(cfg: QuickstartConfig, run: Path, reg: Registration, runs: Sequence[Run], summary: SweepSummary,
+           claimed: SweepSummary, stages: Stages) -> tuple[list[Claim], Path]:
     """Judge the claims from what the two sweeps stored and write reproduce.md."""
     stored = {(c.model, c.config) for c in summary.cells if c.n == cfg.eval.problems}
     claim_stored = {(c.model, c.config) for c in claimed.cells if c.n == cfg.eval.claim_problems}
@@ -306,7 +345,7 @@ def report(cfg: QuickstartConfig, run: Path, runs: Sequence[Run], summary: Sweep
     wall |= {k: max(v, wall.get(k, 0.0)) for k, v in stages.wall_s.items()}
     saved.write_text(json.dumps(wall, indent=2))
     path = run / "reproduce.md"
-    write_report(path, cfg, runs, rows, claims, wall, summary.report_path)
+    write_report(path, cfg, reg, runs, rows, claims, wall, summary.report_path)
     return claims, path
 
 
@@ -316,8 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="QuickstartConfig YAML (the shared knobs)")
     ap.add_argument("--run-dir", default="runs/reproduce")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
-    ap.add_argument("--seeds", type=int, default=1, help="training runs per variant (seeds seed .. seed+N-1); "
-                                                         ">= 2 judges (a), (c), (d), (e) over seeds")
+    ap.add_argument("--seeds", type=int, help="pre-register N training seeds (seed .. seed+N-1) for each of (a), "
+                                              "(c), (d), (e) (sets claim_seeds.*; default: the config's, 5)")
     ap.add_argument("--steps", type=int, help="override train.steps of every variant")
     ap.add_argument("--problems", type=int, help="override eval.problems (the curves, claims (d)-(f))")
     ap.add_argument("--claim-problems", type=int, help="override eval.claim_problems (claims (a)-(c))")
@@ -329,18 +368,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sets = [f"{k}={v}" for k, v in {"train.steps": args.steps, "eval.problems": args.problems,
                                     "eval.claim_problems": args.claim_problems,
-                                    "corpus.problems": args.corpus}.items() if v is not None] + args.sets
+                                    "corpus.problems": args.corpus}.items() if v is not None] \
+        + [f"claim_seeds.{c}={args.seeds}" for c in "acde" if args.seeds is not None] + args.sets
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     try:
         unknown = sorted(set(parts) - set(PARTS))
         if unknown or not parts:
             raise ConfigError(f"--parts: unknown {unknown or parts}; choose from {','.join(PARTS)}")
-        if args.seeds < 1:
-            raise ConfigError(f"--seeds: {args.seeds} must be >= 1")
         cfg = load_config(args.config, sets)
         t0 = time.perf_counter()
-        claims, path = run_reproduce(cfg, Path(args.run_dir), parts, not args.no_progress, args.report_only,
-                                     args.seeds)
+        claims, path = run_reproduce(cfg, Path(args.run_dir), parts, not args.no_progress, args.report_only)
     except ConfigError as e:
         print(f"mbd reproduce: {e}", file=sys.stderr)
         return 2

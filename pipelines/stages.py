@@ -23,8 +23,9 @@ from mbd.eval.sweep import ResultStore
 from mbd.multitf.schedulers import SchedulerConfig
 
 __all__ = ["DEFAULT_CONFIG", "BENCHMARK", "SINGLEBD", "MULTIBD_TF", "MethodSpec", "QuickstartConfig", "ExpandSection",
-           "load_config", "Stages", "write_corpus", "expand_stage", "train_config", "train_stage", "point_name",
-           "sweep_config", "as_methods", "rows_of", "tps_stage", "curves_of", "section_title", "overrides_of"]
+           "ClaimSeeds", "load_config", "Stages", "write_corpus", "expand_stage", "train_config", "train_stage",
+           "point_name", "sweep_config", "as_methods", "rows_of", "tps_stage", "curves_of", "section_title",
+           "overrides_of"]
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
 BENCHMARK = "tinymath"
@@ -35,7 +36,7 @@ MethodSpec = tuple[str, str, str, str]  # (label, key, decode YAML, model name)
 # ---------------------------------------------------------------- configuration
 
 class CorpusSection(StrictModel):
-    problems: int = Field(default=2000, gt=0, description="tinymath train-split problems expanded and trained on")
+    problems: int = Field(default=2000, gt=0, description="tinymath posttrain-part problems expanded and trained on")
 
 
 class ExpandSection(StrictModel):
@@ -90,6 +91,17 @@ class EvalSection(StrictModel):
                 for i, o in enumerate(self.overrides(path))]
 
 
+class ClaimSeeds(StrictModel):
+    """`mbd reproduce`: the training seeds each claim is judged over, fixed before anything trains. The count is part
+    of the run's pre-registration (pipelines/preregistration.py): another count is another run, so a verdict is
+    never revised by adding seeds until it turns. (b) needs no trained model; (f) pools the traces of (a)'s runs."""
+
+    a: int = Field(default=5, ge=1)
+    c: int = Field(default=5, ge=1)
+    d: int = Field(default=5, ge=1)
+    e: int = Field(default=5, ge=1)
+
+
 class ServeSection(StrictModel):
     enabled: bool = True
     config: str = "configs/serve/tiny.yaml"
@@ -102,12 +114,13 @@ class QuickstartConfig(StrictModel):
     run_dir: str = "runs/quickstart"
     base_model: str = "mbd/assets/tiny"
     num_cpus: int = Field(default=2, ge=1)
-    seed: int = Field(default=0, ge=0, description="corpus draw (CORPUS_SEED_OFFSET + seed), layouts and noise, "
+    seed: int = Field(default=0, ge=0, description="corpus draw (from the posttrain part), layouts and noise, "
                                                   "training row order")
     corpus: CorpusSection = CorpusSection()
     expand: ExpandSection = ExpandSection()
     train: TrainSection = TrainSection()
     eval: EvalSection = EvalSection()
+    claim_seeds: ClaimSeeds = ClaimSeeds()
     serve: ServeSection = ServeSection()
 
     @model_validator(mode="after")
@@ -115,8 +128,9 @@ class QuickstartConfig(StrictModel):
         from mbd.eval.benchmarks import get_benchmark
         from mbd.tiny.task import split_size
 
-        if self.corpus.problems > split_size("train"):
-            raise ValueError(f"corpus.problems={self.corpus.problems}: the train split holds {split_size('train')}")
+        if self.corpus.problems > split_size("posttrain"):
+            raise ValueError(f"corpus.problems={self.corpus.problems}: the posttrain part holds "
+                             f"{split_size('posttrain')}")
         for field in ("problems", "claim_problems"):
             want = getattr(self.eval, field)
             held = len(get_benchmark(BENCHMARK).load(limit=want))
@@ -150,17 +164,14 @@ class Stages:
         print(f"==> [{i}/{n}] {name}: done, wall time {self.wall_s[name]:.1f} s", flush=True)
 
 
-CORPUS_SEED_OFFSET = 1000  # the post-training corpus's draw, kept apart from `mbd pretrain-tiny --seed S` (S < 1000)
-
-
 def write_corpus(path: Path, problems: int, seed: int) -> Path:
-    """`problems` tinymath train-split records drawn with seed CORPUS_SEED_OFFSET + `seed`. Drawn with `seed` itself
-    they would be `mbd pretrain-tiny`'s first records of the same seed word for word (seed 0: the shipped base's
-    own first 2,000 pretraining records), and post-training on them left MBD-tiny 3-6 pp below runs on fresh
-    draws (docs/reproduce.md)."""
+    """`problems` records of the tinymath posttrain part drawn with `seed`. The part is disjoint from the pretrain
+    part by a hash of the question (mbd.tiny.task), so no seed of this corpus can replay a pretraining record of
+    any seed: when both drew from one training split, the same seed gave the base's own first records word for
+    word (docs/reproduce.md)."""
     from mbd.tiny.task import generate, write_jsonl
 
-    return write_jsonl(path, generate("train", problems, CORPUS_SEED_OFFSET + seed))
+    return write_jsonl(path, generate("posttrain", problems, seed))
 
 
 def expand_stage(cfg: QuickstartConfig, corpus: Path, out: Path, base: Path, expand: ExpandSection | None = None):

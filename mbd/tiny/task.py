@@ -18,8 +18,11 @@ Why this shape (measurements and the full argument are in docs/tiny-task.md):
   the kind of uncertainty inside a block that gives the paper's models room for inter-block parallelism.
   The answer does not depend on the order.
 
-The split is a property of the problem, not of the sampling: a problem is held out iff a hash of its
-question (its canonical identity) falls in the held-out bucket, so splits are disjoint for every seed and n.
+The split is a property of the problem, not of the sampling: a hash of its question (its canonical identity)
+puts every problem in exactly one of three parts, so they are disjoint for every seed and n: `pretrain` (the
+base's corpus, `mbd pretrain-tiny`), `posttrain` (the MultiTF corpus of `mbd quickstart` / `mbd reproduce`) and
+`heldout` (the `tinymath` benchmark). A post-training corpus therefore never replays a pretraining record of any
+seed, which a shared pool made happen (docs/reproduce.md).
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from itertools import product
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-Split = Literal["train", "heldout"]
-SPLITS: tuple[str, ...] = ("train", "heldout")
+Split = Literal["pretrain", "posttrain", "heldout"]
+SPLITS: tuple[str, ...] = ("pretrain", "posttrain", "heldout")
 FACTORS = range(2, 10)  # a, b, c, d
 ADJUST = range(1, 10)  # e
-HELDOUT_PER_MILLE = 100  # 10% of all problems are held out
+HELDOUT_PER_MILLE = 100  # 10% of all problems are held out (buckets 0-99)
+POSTTRAIN_PER_MILLE = 100  # 10% are the post-training part (buckets 100-199), the other 80% pretraining
 ANSWER_PREFIX = "#### "
 COMMUTATIVE = frozenset("*+")
 Step = tuple[int, str, int, int]  # (left, operator, right, result)
@@ -98,9 +102,12 @@ def _apply(x: int, op: str, y: int) -> int:
 
 
 def split_of(question: str) -> Split:
-    """Held-out iff sha256(question) lands in the first HELDOUT_PER_MILLE of 1000 buckets."""
+    """The part whose range of 1000 buckets sha256(question) lands in: held-out first (the same buckets as when
+    the rest was one training split, so the benchmark's problems never moved), then post-training."""
     bucket = int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "big") % 1000
-    return "heldout" if bucket < HELDOUT_PER_MILLE else "train"
+    if bucket < HELDOUT_PER_MILLE:
+        return "heldout"
+    return "posttrain" if bucket < HELDOUT_PER_MILLE + POSTTRAIN_PER_MILLE else "pretrain"
 
 
 @lru_cache(maxsize=None)

@@ -105,23 +105,16 @@ def test_bad_config_values_name_the_field():
         load_config(DEFAULT_CONFIG, ["corpus.problems=1000000000"])
 
 
-def test_corpus_never_replays_the_bases_pretraining_records(tmp_path):
-    """`mbd pretrain-tiny --seed s` trains on the first N records of generate('train', N, s) (the shipped base: s = 0,
-    N = 80,000). The quickstart with the same seed once drew generate('train', 2000, s): the base's own first
-    pretraining records, word for word, which left MBD-tiny 3-6 pp below fresh draws. Now it draws other records:
-    the problems overlap by chance (the split has 97,406), the records (operand orders included) rarely."""
+def test_corpus_is_the_posttrain_part_drawn_with_the_seed(tmp_path):
+    """The quickstart's corpus comes from the posttrain hash part, never the base's pretrain part
+    (tests/unit/test_corpus_disjoint.py counts the shared problems: 0)."""
     from mbd.tiny.task import generate
-    from pipelines.pretrain_tiny import DEFAULT_CONFIG as PRETRAIN, load_pretrain_config
     from pipelines.stages import write_corpus
 
-    n = load_pretrain_config(PRETRAIN, [], None, None).corpus.problems
     as_line = lambda r: {"prompt": r["question"], "response": r["solution"], "answer": r["answer"]}  # noqa: E731
     for seed in (0, 1):
-        pretrained = {json.dumps(as_line(r)) for r in generate("train", n, seed)}
-        assert all(json.dumps(as_line(r)) in pretrained for r in generate("train", 200, seed))  # the old draw
         lines = write_corpus(tmp_path / f"s{seed}.jsonl", 200, seed).read_text().splitlines()
-        assert lines == [json.dumps(as_line(r)) for r in generate("train", 200, 1000 + seed)]
-        assert sum(line in pretrained for line in lines) < 50  # by chance: about 13% (266 of 2,000 at seeds 1, 2)
+        assert lines == [json.dumps(as_line(r)) for r in generate("posttrain", 200, seed)]
 
 
 def test_reproduce_judges_from_stored_records_and_marks_missing_parts_not_run(tmp_path):
@@ -129,11 +122,12 @@ def test_reproduce_judges_from_stored_records_and_marks_missing_parts_not_run(tm
     from mbd.eval.sweep import ItemRecord, ResultStore
     from pipelines.reproduce import claim_methods, judge_all, methods_for, runs_of
 
-    cfg = load_config(DEFAULT_CONFIG, ["eval.problems=4", "eval.claim_problems=6"])
-    runs = runs_of(cfg, ["chain"], 1)
+    cfg = load_config(DEFAULT_CONFIG, ["eval.problems=4", "eval.claim_problems=6", "claim_seeds.a=1",
+                                       "claim_seeds.c=1"])
+    runs = runs_of(cfg, ["core"])
     methods = methods_for(cfg, runs)
     stored, claim_stored = set(), set()
-    for where, n, kept, points in (("eval", 4, methods, None), ("claims", 6, claim_methods(methods, runs), 1)):
+    for where, n, kept, points in (("eval", 4, methods, None), ("claims", 6, claim_methods(cfg, methods, runs), 1)):
         store = ResultStore(tmp_path / where)
         ids = [p.problem_id for p in get_benchmark("tinymath").load(limit=n)]
         for label, key, path, model in kept:

@@ -27,7 +27,7 @@ README = ROOT / "README.md"
 PROGRAMS = ("mbd", "python", "python3", "pip", "bash", "ray", "serve", "kubectl", "curl")
 
 CORPUS = "python -c \"from mbd.tiny.task import generate, write_jsonl; write_jsonl('runs/tiny/train.jsonl', " \
-         "generate('train', 2000, seed=1000))\""
+         "generate('posttrain', 2000, seed=0))\""
 GENERATE = 'mbd generate --config configs/decode/tiny_multibd.yaml "3*4+2*7-5"'
 FORWARD = "mbd forward --model mbd/assets/tiny"
 EXPAND = "mbd expand --config configs/expand/tiny.yaml"
@@ -45,7 +45,7 @@ RUN_BY = {
     "python -m benchmarks.gpu_acceptance --budget 420": "tests/unit/test_gpu_acceptance_quick.py (--device cpu --quick: "
                                                         "the rows that compile nothing; every row when slow; the "
                                                         "short run's order and budget)",
-    "python -m benchmarks.tiny_parity": "by hand before a training-recipe change (20 minutes; docs/training.md)",
+    "python -m benchmarks.tiny_parity": "by hand before a training-recipe change (about 35 minutes; docs/training.md)",
     "mbd quickstart": "tests/e2e/test_quickstart.py (reduced: --steps 2 --problems 6 --corpus 24, a smaller "
                       "TPS timing)",
     "mbd reproduce": "here, slow (reduced: --parts core --steps 2 --problems 4 --claim-problems 8 --corpus 16 "
@@ -218,8 +218,9 @@ def test_reproduce_and_pretrain_tiny_run_reduced(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert mbd(["reproduce", "--parts", "core", "--steps", "2", "--problems", "4", "--claim-problems", "8",
                 "--corpus", "16", "--seeds", "2", "--run-dir", str(tmp_path / "reproduce"), "--no-progress"]) == 0
-    report = (tmp_path / "reproduce" / "reproduce.md").read_text()
+    (report,) = [p.read_text() for p in (tmp_path / "reproduce").glob("a2-c2-d2-e2-*/reproduce.md")]  # its folder
     assert "over 2 seeds" in report and "n=8" in report  # claim (a) over both seeds, on the claim problems
+    assert "training seeds per claim (a) 2, (c) 2, (d) 2, (e) 2" in report  # the counts registered up front
     work = tmp_path / "pretrain"
     assert mbd(["pretrain-tiny", "--steps", "2", "--out", str(work / "out"), "--eval-problems", "2", "--no-progress",
                 "--set", "corpus.problems=64", "--set", f"train.run.storage_path={work}",

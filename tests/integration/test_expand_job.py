@@ -177,7 +177,7 @@ def test_a_model_dir_relative_to_the_repository_works_from_any_directory(ray_clu
     driver and Ray's workers start): the driver and every task find the model."""
     from mbd.tiny.task import generate, write_jsonl
 
-    write_jsonl(str(tmp_path / "in.jsonl"), generate("train", 40, seed=1))
+    write_jsonl(str(tmp_path / "in.jsonl"), generate("posttrain", 40, seed=1))
     monkeypatch.chdir(tmp_path)
     s = run_expand(ExpandConfig(inputs=[str(tmp_path / "in.jsonl")], output_dir=str(tmp_path / "out"),
                                 model_dir="mbd/assets/tiny", max_length=128, gmax=2, n_rand=0))

@@ -23,21 +23,21 @@ def _value(f: dict) -> int:
 
 
 def test_generate_is_a_pure_function_of_split_n_seed():
-    assert generate("train", 300, seed=7) == generate("train", 300, seed=7)
-    assert generate("train", 300, seed=7) != generate("train", 300, seed=8)
+    assert generate("pretrain", 300, seed=7) == generate("pretrain", 300, seed=7)
+    assert generate("pretrain", 300, seed=7) != generate("pretrain", 300, seed=8)
     # a smaller n is a prefix of a larger one, so an eval `limit` never reshuffles the sample
     assert generate("heldout", 40, seed=3) == generate("heldout", 400, seed=3)[:40]
 
 
 def test_problems_are_distinct_within_a_call():
-    qs = [r["question"] for r in generate("train", 5000, seed=0)]
+    qs = [r["question"] for r in generate("pretrain", 5000, seed=0)]
     assert len(set(qs)) == len(qs)
 
 
 def test_splits_are_disjoint_and_cover_every_valid_problem():
-    train = {r["question"] for r in generate("train", split_size("train"), seed=0)}
-    held = {r["question"] for r in generate("heldout", split_size("heldout"), seed=1)}
-    assert not train & held
+    pre, post, held = ({r["question"] for r in generate(s, split_size(s), seed=i)}
+                       for i, s in enumerate(("pretrain", "posttrain", "heldout")))
+    assert not pre & post and not pre & held and not post & held
     # brute-force count of valid problems, independent of the module's enumeration
     valid = sum(
         1
@@ -45,19 +45,19 @@ def test_splits_are_disjoint_and_cover_every_valid_problem():
                                              range(1, 10))
         if OPS[om](a * b, c * d) >= 0 and _value(dict(a=a, b=b, c=c, d=d, op_mid=om, op_last=ol, e=e)) >= 0
     )
-    assert len(train) + len(held) == valid
-    assert 0.08 < len(held) / valid < 0.12  # the 10% hash bucket
+    assert len(pre) + len(post) + len(held) == valid
+    assert 0.08 < len(held) / valid < 0.12 and 0.08 < len(post) / valid < 0.12  # the two 10% hash buckets
 
 
 def test_split_membership_does_not_depend_on_seed_or_n():
     for seed in (0, 5, 123):
         for r in generate("heldout", 50, seed=seed):
             assert split_of(r["question"]) == "heldout"
-        for r in generate("train", 50, seed=seed):
-            assert split_of(r["question"]) == "train"
+        for split in ("pretrain", "posttrain"):
+            assert {split_of(r["question"]) for r in generate(split, 50, seed=seed)} == {split}
 
 
-@pytest.mark.parametrize("split", ["train", "heldout"])
+@pytest.mark.parametrize("split", ["pretrain", "posttrain", "heldout"])
 def test_solution_ends_with_the_independently_computed_answer(split):
     for r in generate(split, 2000, seed=11):
         f = r["fields"]
@@ -68,7 +68,7 @@ def test_solution_ends_with_the_independently_computed_answer(split):
 
 
 def test_every_step_line_is_true_and_chains_the_previous_results():
-    for r in generate("train", 2000, seed=2):
+    for r in generate("pretrain", 2000, seed=2):
         f = r["fields"]
         body, answer = r["solution"].split(";#### ")
         steps = [STEP.fullmatch(s).groups() for s in body.split(";")]
@@ -88,7 +88,7 @@ def test_every_step_line_is_true_and_chains_the_previous_results():
 
 def test_commutative_operand_order_is_a_live_coin_flip():
     swapped = total = 0
-    for r in generate("train", 2000, seed=9):
+    for r in generate("pretrain", 2000, seed=9):
         f = r["fields"]
         if f["a"] != f["b"]:
             total += 1
@@ -107,7 +107,7 @@ def test_bad_split_or_n_names_the_field():
 
 
 def test_write_jsonl_has_prompt_and_response(tmp_path):
-    recs = generate("train", 20, seed=0)
+    recs = generate("pretrain", 20, seed=0)
     path = task.write_jsonl(tmp_path / "corpus" / "train.jsonl", recs)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == [r["question"] for r in recs]
@@ -130,7 +130,7 @@ def test_vocab_is_small_and_specials_are_single_tokens():
 
 def test_task_strings_round_trip_one_token_per_char():
     tok = vocab.build_tokenizer()
-    for r in generate("train", 500, seed=4) + generate("heldout", 500, seed=4):
+    for r in generate("pretrain", 500, seed=4) + generate("heldout", 500, seed=4):
         for s in (r["question"], r["solution"]):
             enc = tok.encode(s, add_special_tokens=False)
             assert len(enc.ids) == len(s) and vocab.vocab()[vocab.UNK] not in enc.ids

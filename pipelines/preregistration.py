@@ -1,0 +1,59 @@
+"""The pre-registration of an `mbd reproduce` run: how many training seeds each claim is judged over, and the rest
+of the recipe, fixed in a file before anything trains.
+
+A run's folder is named by its registration (the seed counts, readable, and a hash of every setting that decides a
+result), so resuming with another seed count, step count or problem count starts a new run in a new folder with
+its own verdicts: a judged run is never continued until its verdict turns (optional stopping). Where the run
+writes its output (run_dir) and how many CPUs it gets (num_cpus) decide no result and stay out of the key; so does
+the quickstart's serve stage, which `mbd reproduce` never runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from mbd.config import ConfigError
+from pipelines.stages import ClaimSeeds, QuickstartConfig
+
+REGISTRATION = "registration.json"
+UNKEYED = {"run_dir", "num_cpus", "serve"}
+
+
+class Registration(BaseModel):
+    claim_seeds: ClaimSeeds
+    config: dict
+    registered_at: str
+
+
+def registered_config(cfg: QuickstartConfig) -> dict:
+    return cfg.model_dump(mode="json", exclude=UNKEYED)
+
+
+def registration_dir(cfg: QuickstartConfig, run_dir: Path) -> Path:
+    """`run_dir`/a5-c5-d5-e5-<first 10 hex digits of the sha256 of the registered config>."""
+    digest = hashlib.sha256(json.dumps(registered_config(cfg), sort_keys=True).encode()).hexdigest()[:10]
+    counts = "-".join(f"{k}{v}" for k, v in cfg.claim_seeds.model_dump().items())
+    return run_dir / f"{counts}-{digest}"
+
+
+def register(cfg: QuickstartConfig, run_dir: Path) -> tuple[Path, Registration]:
+    """The run's folder and its registration: written now if the folder is new, else read back and checked against
+    `cfg` (a folder whose registration says otherwise was edited by hand and is refused)."""
+    folder = registration_dir(cfg, run_dir)
+    path = folder / REGISTRATION
+    if path.is_file():
+        reg = Registration.model_validate_json(path.read_text())
+        if reg.config != registered_config(cfg):
+            raise ConfigError(f"{path}: registers another config than this run's; a changed setting is a new run "
+                              f"(its folder is named by the registration), so restore or delete that file")
+        return folder, reg
+    reg = Registration(claim_seeds=cfg.claim_seeds, config=registered_config(cfg),
+                       registered_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(reg.model_dump_json(indent=2) + "\n")
+    return folder, reg
