@@ -20,12 +20,18 @@ def pytest_configure(config):
         print(f"bubblewrap unavailable: code-execution tests run hook-only ({UNSAFE_ENV}=1); escape tests skip")
 
 
-def pytest_collection_modifyitems(config, items):
-    """pytest-xdist's groups (`--dist loadgroup`): every integration and e2e test is one group, so they run in one
-    worker on the session's one Ray cluster, while the other worker takes the unit tests a module at a time."""
-    for item in items:
-        group = "ray" if item.path.parent.name in ("integration", "e2e") else item.path.stem
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config, log):
+    """The two xdist workers take whole scopes: every integration and e2e test is one scope, so they run in one
+    worker on the session's one Ray cluster, while the other worker takes the unit tests a module at a time (module
+    fixtures built once). xdist's own `loadgroup` marks are not read under pytest 9, hence a scheduler of ours."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray" if path.startswith(("tests/integration/", "tests/e2e/")) else path
+
+    return RayTogether(config, log)
 
 
 def tiny_cfg(family: str = "sdar", **kw):
