@@ -1,5 +1,3 @@
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,20 +16,6 @@ def pytest_configure(config):
     if not isolation_available():
         os.environ[UNSAFE_ENV] = "1"
         print(f"bubblewrap unavailable: code-execution tests run hook-only ({UNSAFE_ENV}=1); escape tests skip")
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """The two xdist workers take whole scopes: every integration and e2e test is one scope, so they run in one
-    worker on the session's one Ray cluster, while the other worker takes the unit tests a module at a time (module
-    fixtures built once). xdist's own `loadgroup` marks are not read under pytest 9, hence a scheduler of ours."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class RayTogether(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "ray" if path.startswith(("tests/integration/", "tests/e2e/")) else path
-
-    return RayTogether(config, log)
 
 
 def tiny_cfg(family: str = "sdar", **kw):
