@@ -216,7 +216,7 @@ def test_a_killed_engine_process_is_restarted_and_its_waiting_requests_kept(ckpt
         exits = [line for line in logged.lines if "exited (" in line]
         assert len(exits) == 1 and f"engine process {first_pid} exited (killed by SIGKILL" in exits[0]
         assert ("not by itself): 1 stream(s) that had produced output failed, 0 request(s) quarantined, "
-                "0 suspect(s) to re-run alone, 2 request(s) kept") in exits[0]
+                "0 suspect(s) to try, 2 request(s) kept") in exits[0]
         assert asyncio.run(_collect(host, tok.encode("5+5="), short))[-1].finished
     finally:
         host.shutdown()
