@@ -1,6 +1,6 @@
 """How a training run shows its steps on the driver: rank 0 pushes each step's metrics to a small actor on the
-driver's node, and the driver polls it into the one progress line (`mbd.progress`). Ray Train gets the same
-metrics through `ray.train.report` (pipelines/train_multitf.py)."""
+driver's node, and the driver polls it into the one progress line (`mbd.progress`). Ray Train gets the metrics
+of each checkpoint's step with the checkpoint (`ray.train.report` blocks until the controller's next poll)."""
 
 from __future__ import annotations
 
