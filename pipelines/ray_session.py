@@ -68,8 +68,11 @@ def serving_env() -> dict[str, str]:
     ingress replicas that serve HTTP themselves. On the tiny model it took HTTP throughput at 32 clients from 0.53
     to 0.62 of the engine's (docs/performance.md). The ports that mode would fix machine-wide get free ones, so
     that clusters on one machine never collide; an ingress replica stopping drains for 2 s (Ray's default, 30 s,
-    waits for load balancers outside the cluster, which a local cluster has none of). What the user set wins."""
-    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+    waits for load balancers outside the cluster, which a local cluster has none of). A proxy gets 30 s to report
+    ready, not Ray's 5 s: on a loaded 2-core node HAProxy's first start took longer, the controller killed the proxy
+    as unhealthy and `serve.start`, waiting on that first proxy, failed. What the user set wins."""
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
     for name in ("FALLBACK_PROXY_HTTP_PORT", "FALLBACK_PROXY_GRPC_PORT", "HAPROXY_STATS_PORT", "HAPROXY_METRICS_PORT"):
         env[f"RAY_SERVE_{name}"] = str(dashboard_port())
     return {k: v for k, v in env.items() if k not in os.environ}

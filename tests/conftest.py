@@ -1,5 +1,17 @@
+import importlib
+
 import pytest
 import torch
+
+# Imported now, on collection's shallow stack: pytest rewrites the modules of plugin packages (hypothesis, anyio) on
+# their first import, and CPython 3.11.7's AST constructor fails its recursion-depth check ("AST constructor
+# recursion depth mismatch") when that rewrite runs deep inside a hook or a hypothesis draw (seen in both places:
+# hypothesis' terminal summary, schemathesis' lazy ASGI transport).
+for _name in ("hypothesis.strategies", "anyio.from_thread", "schemathesis.transport.asgi"):
+    try:
+        importlib.import_module(_name)
+    except ImportError:
+        pass
 
 # One intra-op thread: on a shared 2-core machine every parallel region otherwise waits for a scheduler tick
 # (measured: the decoding tests ran 45x slower with 2 threads under load).

@@ -14,9 +14,6 @@ from tests.integration.conftest import serve_apps, tiny_serve_config
 from tests.integration.test_serve_units import DECODE
 
 schemathesis = pytest.importorskip("schemathesis")
-# imported here, not lazily deep inside hypothesis's draw: pytest rewrites anyio's modules (anyio is a pytest plugin),
-# and CPython 3.11's AST constructor fails its recursion-depth check when that rewrite runs on a deep stack
-pytest.importorskip("schemathesis.transport.asgi")
 
 MODEL = "mbd-fuzz"
 EXAMPLES = 40  # per endpoint and mode
