@@ -20,7 +20,9 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import random
 import signal
+import socket
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +30,6 @@ from typing import Any, Callable, Iterator
 
 import psutil
 
-from actors.tp_worker import free_port
 from pipelines.process_tree import descendants, end_processes
 from pipelines.ray_private import route_cluster_messages
 
@@ -39,12 +40,37 @@ RAY_DEFAULT_PORTS = frozenset({6379, 8265, 52365})
 LOG_FORMAT = "%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"
 
 
-def dashboard_port() -> int:
-    """A free port for a local cluster's (disabled) dashboard address that none of Ray's fixed default ports is:
-    Ray refuses to start when two of its components would share one (52365 is the dashboard agent's)."""
-    while (port := free_port()) in RAY_DEFAULT_PORTS:
-        pass
-    return port
+def ephemeral_ports() -> range:
+    """The kernel's range for the source ports of outgoing connections (Linux's default where unreadable)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def listen_port() -> int:
+    """A port, free on every interface, for a listener a local cluster opens later (its disabled dashboard, Serve's
+    fallback proxy, HAProxy's stats and metrics). Never one of Ray's fixed default ports (Ray refuses to start when
+    two of its components would share one; 52365 is the dashboard agent's), nor one of Ray's worker ports
+    (10002-19999), nor in the kernel's ephemeral range: the source ports of the cluster's own connections land
+    there, and HAProxy, binding its metrics port half an hour after it was picked from that range, found it held by
+    one ("Address already in use") and every Serve app of that cluster failed to start."""
+    taken = ephemeral_ports()
+    candidates = [p for p in range(20000, 65536) if p not in taken and p not in RAY_DEFAULT_PORTS]
+    for port in random.sample(candidates, 64):
+        if port_is_free(port):
+            return port
+    raise RuntimeError("no free port outside the ephemeral range after 64 tries")
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 @contextmanager
@@ -74,7 +100,7 @@ def serving_env() -> dict[str, str]:
     env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
            "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
     for name in ("FALLBACK_PROXY_HTTP_PORT", "FALLBACK_PROXY_GRPC_PORT", "HAPROXY_STATS_PORT", "HAPROXY_METRICS_PORT"):
-        env[f"RAY_SERVE_{name}"] = str(dashboard_port())
+        env[f"RAY_SERVE_{name}"] = str(listen_port())
     return {k: v for k, v in env.items() if k not in os.environ}
 
 
@@ -95,7 +121,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **init_kwa
         ray.init(address=named, **init_kwargs)
         return False
     with environment(serving_env()):
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, dashboard_port=dashboard_port(),
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, dashboard_port=listen_port(),
                  **init_kwargs)
     return True
 

@@ -31,7 +31,7 @@ import psutil
 
 from actors.tp_worker import free_port
 from pipelines.process_tree import descendants, end_processes
-from pipelines.ray_session import environment, serving_env
+from pipelines.ray_session import environment, listen_port, serving_env
 
 MB = 1024**2
 
@@ -57,12 +57,6 @@ def _node_ip() -> str:
     from ray._private.services import get_node_ip_address
 
     return get_node_ip_address()
-
-
-def _free_port_not_reserved() -> int:
-    from pipelines.ray_session import dashboard_port
-
-    return dashboard_port()  # a free port that none of Ray's fixed default ports is
 
 
 STARTUP_ATTEMPTS = 3
@@ -111,8 +105,8 @@ class LocalCluster:
 
         head = dict(gcs_server_port=self.port, num_cpus=self.head_cpus, object_store_memory=self.object_store_mb * MB,
                     resources=self.head_resources, include_dashboard=False,
-                    dashboard_port=_free_port_not_reserved(),
-                    dashboard_agent_listen_port=_free_port_not_reserved(), _system_config=self.system_config,
+                    dashboard_port=listen_port(),
+                    dashboard_agent_listen_port=listen_port(), _system_config=self.system_config,
                     autoscaling_config=self.autoscaling_config)
         self.env = {"RAY_ADDRESS": f"{_node_ip()}:{self.port}", **serving_env(), **(env or {})}
         with environment(self.env), _address_file_kept():

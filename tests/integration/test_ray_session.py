@@ -6,6 +6,7 @@ import inspect
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -54,13 +55,21 @@ def test_ray_private_hook_is_where_the_adapter_expects_it():
     assert f"{HOOK}(" in inspect.getsource(worker.listen_error_messages)
 
 
-def test_dashboard_port_never_takes_a_port_ray_reserves(monkeypatch):
-    """Ray refuses to start when the dashboard's port is its agent's default (52365): skip Ray's fixed ports."""
+def test_a_listen_port_is_free_and_outside_what_ray_and_the_kernel_hand_out(monkeypatch):
+    """Ray's fixed ports, its worker ports and the kernel's ephemeral range (where the source ports of the cluster's
+    own connections land) are never picked; a port that is taken is skipped."""
     from pipelines import ray_session as module
 
-    ports = iter([52365, 8265, 6379, 40123])
-    monkeypatch.setattr(module, "free_port", lambda: next(ports))
-    assert module.dashboard_port() == 40123
+    eph = module.ephemeral_ports()
+    picks = [module.listen_port() for _ in range(200)]
+    assert not [p for p in picks if p in eph or p < 20000 or p in module.RAY_DEFAULT_PORTS]
+    with socket.socket() as held:
+        held.bind(("", picks[0]))
+        held.listen()
+        assert not module.port_is_free(picks[0])
+        first_the_held_one = lambda pool, k: [picks[0], *[p for p in pool if p != picks[0]][:k - 1]]  # noqa: E731
+        monkeypatch.setattr(module.random, "sample", first_the_held_one)
+        assert module.listen_port() != picks[0]
 
 
 def _cmd(p: psutil.Process) -> str:
