@@ -37,6 +37,7 @@ RAY_LOG = "ray.log"
 LIBRARIES = ("ray.data", "ray.train", "ray.serve")  # each sets up its logger's handlers on import
 # Ray's fixed default ports (GCS, dashboard, dashboard agent; Ray's "Configuring Ray: ports" documentation)
 RAY_DEFAULT_PORTS = frozenset({6379, 8265, 52365})
+RAY_WORKER_PORTS = range(10002, 20000)  # Ray's default min_worker_port..max_worker_port
 LOG_FORMAT = "%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"
 
 
@@ -53,15 +54,17 @@ def listen_port() -> int:
     """A port, free on every interface, for a listener a local cluster opens later (its disabled dashboard, Serve's
     fallback proxy, HAProxy's stats and metrics). Never one of Ray's fixed default ports (Ray refuses to start when
     two of its components would share one; 52365 is the dashboard agent's), nor one of Ray's worker ports
-    (10002-19999), nor in the kernel's ephemeral range: the source ports of the cluster's own connections land
+    (`RAY_WORKER_PORTS`), nor in the kernel's ephemeral range: the source ports of the cluster's own connections land
     there, and HAProxy, binding its metrics port half an hour after it was picked from that range, found it held by
-    one ("Address already in use") and every Serve app of that cluster failed to start."""
-    taken = ephemeral_ports()
-    candidates = [p for p in range(20000, 65536) if p not in taken and p not in RAY_DEFAULT_PORTS]
-    for port in random.sample(candidates, 64):
+    one ("Address already in use") and every Serve app of that cluster failed to start. Where the ephemeral range
+    covers every port above Ray's worker ports (an ip_local_port_range of 1024-65535), a free port in it is taken."""
+    eligible = [p for p in range(RAY_WORKER_PORTS.stop, 65536) if p not in RAY_DEFAULT_PORTS]
+    ephemeral = ephemeral_ports()
+    candidates = [p for p in eligible if p not in ephemeral] or eligible
+    for port in random.sample(candidates, min(64, len(candidates))):
         if port_is_free(port):
             return port
-    raise RuntimeError("no free port outside the ephemeral range after 64 tries")
+    raise RuntimeError("no free port found for a cluster's listener after 64 tries")
 
 
 def port_is_free(port: int) -> bool:

@@ -70,6 +70,10 @@ def test_a_listen_port_is_free_and_outside_what_ray_and_the_kernel_hand_out(monk
         first_the_held_one = lambda pool, k: [picks[0], *[p for p in pool if p != picks[0]][:k - 1]]  # noqa: E731
         monkeypatch.setattr(module.random, "sample", first_the_held_one)
         assert module.listen_port() != picks[0]
+    # a kernel whose ephemeral range covers every port above Ray's worker ports still gets a free one
+    monkeypatch.undo()
+    monkeypatch.setattr(module, "ephemeral_ports", lambda: range(1024, 65536))
+    assert module.listen_port() >= module.RAY_WORKER_PORTS.stop
 
 
 def _cmd(p: psutil.Process) -> str:
