@@ -1,17 +1,27 @@
-import importlib
+import ast
+import functools
+import threading
 
 import pytest
 import torch
 
-# Imported now, on collection's shallow stack: pytest rewrites the modules of plugin packages (hypothesis, anyio) on
-# their first import, and CPython 3.11.7's AST constructor fails its recursion-depth check ("AST constructor
-# recursion depth mismatch") when that rewrite runs deep inside a hook or a hypothesis draw (seen in both places:
-# hypothesis' terminal summary, schemathesis' lazy ASGI transport).
-for _name in ("hypothesis.strategies", "anyio.from_thread", "schemathesis.transport.asgi"):
-    try:
-        importlib.import_module(_name)
-    except ImportError:
-        pass
+# CPython 3.11.7 keeps the AST constructor's recursion counter per interpreter, not per thread (a race fixed in later
+# releases, which gave each parse its own state; see gh-106905): two threads building ASTs at once fail one of them with "SystemError: AST constructor recursion depth
+# mismatch". In this process they do: pytest's assertion rewrite and our source-reading tests call ast.parse while
+# Ray's background threads log exceptions, and 3.11's traceback formatting calls ast.parse for its carets (seen in
+# CI: test_import_rules beside a Ray Data thread logging a failed Prometheus query; before that hypothesis' and
+# schemathesis' lazy imports). One lock around ast.parse serialises every such caller in the test process.
+_parse_lock = threading.RLock()
+_unlocked_parse = ast.parse
+
+
+@functools.wraps(_unlocked_parse)
+def _serialised_parse(*args, **kwargs):
+    with _parse_lock:
+        return _unlocked_parse(*args, **kwargs)
+
+
+ast.parse = _serialised_parse
 
 # One intra-op thread: on a shared 2-core machine every parallel region otherwise waits for a scheduler tick
 # (measured: the decoding tests ran 45x slower with 2 threads under load).
