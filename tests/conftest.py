@@ -1,16 +1,18 @@
 import ast
 import functools
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
-# CPython 3.11.7 keeps the AST constructor's recursion counter per interpreter, not per thread (a race fixed in later
-# releases, which gave each parse its own state; see gh-106905): two threads building ASTs at once fail one of them with "SystemError: AST constructor recursion depth
-# mismatch". In this process they do: pytest's assertion rewrite and our source-reading tests call ast.parse while
-# Ray's background threads log exceptions, and 3.11's traceback formatting calls ast.parse for its carets (seen in
-# CI: test_import_rules beside a Ray Data thread logging a failed Prometheus query; before that hypothesis' and
-# schemathesis' lazy imports). One lock around ast.parse serialises every such caller in the test process.
+# CPython 3.11.7 keeps the AST constructor's recursion counter per interpreter, not per thread (a race that later
+# releases fixed by giving each parse its own state; see gh-106905): two threads building ASTs at once fail one of
+# them with "SystemError: AST constructor recursion depth mismatch". In this process they do: pytest's assertion
+# rewrite and our source-reading tests call ast.parse while Ray's background threads log exceptions, and 3.11's
+# traceback formatting calls ast.parse for its carets (seen in CI: test_import_rules beside a Ray Data thread logging
+# a failed Prometheus query; before that, hypothesis' and schemathesis' lazy imports). One lock around ast.parse
+# serialises every such caller in the test process.
 _parse_lock = threading.RLock()
 _unlocked_parse = ast.parse
 
@@ -38,6 +40,18 @@ def pytest_configure(config):
     if not isolation_available():
         os.environ[UNSAFE_ENV] = "1"
         print(f"bubblewrap unavailable: code-execution tests run hook-only ({UNSAFE_ENV}=1); escape tests skip")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Two xdist workers (pyproject's addopts: `-n 2 --dist loadgroup`): every test on the session's Ray cluster
+    (tests/e2e, tests/integration) is one group, run in collection order by one worker that owns the cluster, while
+    the other worker takes the unit tests a module at a time (a module's fixtures built once). The Ray tests leave
+    about a quarter of the two cores idle while processes start and requests wait; the unit tests, one thread each,
+    fill it instead of running after them."""
+    root = Path(__file__).parent
+    for item in items:
+        part = item.path.relative_to(root).parts
+        item.add_marker(pytest.mark.xdist_group("ray" if part[0] in ("e2e", "integration") else "/".join(part)))
 
 
 def tiny_cfg(family: str = "sdar", **kw):

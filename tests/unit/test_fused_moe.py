@@ -48,7 +48,7 @@ def test_kernels_under_the_interpreter():
     if INTERPRETED:
         pytest.skip("this is the child")
     root = Path(__file__).resolve().parents[2]
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", __file__],
                            cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
                            timeout=540)
     assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
