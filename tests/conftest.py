@@ -1,7 +1,6 @@
 import ast
 import functools
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -42,16 +41,21 @@ def pytest_configure(config):
         print(f"bubblewrap unavailable: code-execution tests run hook-only ({UNSAFE_ENV}=1); escape tests skip")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Two xdist workers (pyproject's addopts: `-n 2 --dist loadgroup`): every test on the session's Ray cluster
-    (tests/e2e, tests/integration) is one group, run in collection order by one worker that owns the cluster, while
-    the other worker takes the unit tests a module at a time (a module's fixtures built once). The Ray tests leave
-    about a quarter of the two cores idle while processes start and requests wait; the unit tests, one thread each,
-    fill it instead of running after them."""
-    root = Path(__file__).parent
-    for item in items:
-        part = item.path.relative_to(root).parts
-        item.add_marker(pytest.mark.xdist_group("ray" if part[0] in ("e2e", "integration") else "/".join(part)))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Two xdist workers (pyproject's addopts): every test on the session's Ray cluster (tests/e2e, tests/integration)
+    is one work unit, run in collection order by one worker that owns the cluster, while the other worker takes the
+    unit tests a module at a time (a module's fixtures built once). The Ray tests leave about a quarter of the two
+    cores idle while processes start and requests wait; the unit tests, one thread each, fill it instead of running
+    after them. (xdist's own `loadgroup` marks do nothing under pytest 9, whose test ids no longer take its suffix.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray" if path.startswith(("tests/e2e/", "tests/integration/")) else path
+
+    return RayTestsTogether(config, log)
 
 
 def tiny_cfg(family: str = "sdar", **kw):
