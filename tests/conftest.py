@@ -52,10 +52,15 @@ def pytest_xdist_make_scheduler(config, log):
 
     class RayTestsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "ray" if path.startswith(("tests/e2e/", "tests/integration/")) else path
+            return work_unit(nodeid)
 
     return RayTestsTogether(config, log)
+
+
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: "ray" for every test on the session's cluster, else its module's path."""
+    path = nodeid.split("::", 1)[0]
+    return "ray" if path.startswith(("tests/e2e/", "tests/integration/")) else path
 
 
 def tiny_cfg(family: str = "sdar", **kw):
