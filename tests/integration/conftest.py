@@ -76,17 +76,45 @@ def tiny_serve_config(ckpt, name: str, **sections: dict):
     } | sections)
 
 
-def serve_apps(**apps):
-    """Serve's HTTP proxy on a free port with each config of `apps` (name -> ServeConfig) at /name; yields the
-    proxy's URL once and shuts Serve down when resumed (a module fixture iterates it)."""
+@pytest.fixture(scope="session")
+def serve_url(ray_cluster):
+    """The session's one Ray Serve instance (controller and HAProxy, on a free port) on the session's cluster,
+    shared by the Serve test modules: each deploys its apps and deletes them after (`serve_apps`). A Serve start
+    and shutdown per module cost tens of seconds on 2 cores."""
     from ray import serve
 
     from actors.tp_worker import free_port
-    from serve_app.app import build_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run_many([serve.RunTarget(build_app({"serve_config": cfg}), name=name, route_prefix=f"/{name}")
-                    for name, cfg in apps.items()])
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
+
+
+def decoder_stats(app: str) -> dict:
+    """The `Decoder` deployment's stats of `app`, asked from a Ray task: a deployment handle used in this driver
+    would keep Serve's router threads here, and when a multi-node test disconnects the driver, those threads
+    reconnect it to the session's cluster (Ray's auto-init) before the test can connect to its own."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def ask(app: str) -> dict:
+        from ray import serve
+
+        return serve.get_deployment_handle("Decoder", app_name=app).stats.remote().result()
+
+    return ray.get(ask.remote(app))
+
+
+def serve_apps(url: str, **apps):
+    """Each app of `apps` (name -> ServeConfig, or a built Serve application) at /name on the session's Serve at
+    `url`; yields `url` once and deletes the apps when resumed (a module fixture iterates it)."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.run_many([serve.RunTarget(app if isinstance(app, serve.Application) else build_app({"serve_config": app}),
+                                    name=name, route_prefix=f"/{name}") for name, app in apps.items()])
+    yield url
+    for name in apps:
+        serve.delete(name)

@@ -1,6 +1,6 @@
 """The OpenAI-compatible Ray Serve app over real HTTP on loopback: CPU, the real Block Buffer engine, a tiny
 random model (tests/integration/test_serve_units.make_checkpoint: it never emits a stop token, so generation
-lengths are exact). Two apps share one Serve instance: `tp1` and `tp2` (two gloo ranks, API key, a tiny queue)."""
+lengths are exact). Two apps on the session's Serve: `tp1` and `tp2` (two gloo ranks, API key, a tiny queue)."""
 
 import json
 import os
@@ -11,10 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from actors.tp_worker import free_port
 from mbd.tiny.vocab import special_token_ids
 from serve_app.config import ServeConfig
-from tests.integration.conftest import SERVE_SLOTS as SLOTS
+from tests.integration.conftest import SERVE_SLOTS as SLOTS, decoder_stats, serve_apps
 from tests.integration.test_serve_units import DECODE
 
 MODEL = "mbd-test"
@@ -34,19 +33,10 @@ def _config(ckpt, tp: int, slots: int, decoder: dict, http: dict | None = None) 
 
 
 @pytest.fixture(scope="module")
-def base(ray_cluster, ckpt):
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def base(serve_url, ckpt):
     tp1 = _config(ckpt, 1, SLOTS, {"max_ongoing_requests": 16, "max_queued_requests": 256})
     tp2 = _config(ckpt, 2, 2, {"max_ongoing_requests": 2, "max_queued_requests": 1}, {"api_key": KEY})
-    serve.run_many([serve.RunTarget(build_app({"serve_config": tp1}), name="tp1", route_prefix="/tp1"),
-                    serve.RunTarget(build_app({"serve_config": tp2}), name="tp2", route_prefix="/tp2")])
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    yield from serve_apps(serve_url, tp1=tp1, tp2=tp2)
 
 
 def _post(base, app, endpoint, body, **kw) -> httpx.Response:
@@ -67,12 +57,6 @@ def _sse(base, app, endpoint, body) -> list:
     return events
 
 
-def _stats(app: str) -> dict:
-    from ray import serve
-
-    return serve.get_deployment_handle("Decoder", app_name=app).stats.remote().result()
-
-
 def _want(ref, ids, max_tokens, **kw):
     engine, _ = ref
     return engine.generate([ids], DECODE.model_copy(update={"max_new_tokens": max_tokens, **kw}))[0]
@@ -90,7 +74,7 @@ def test_http_goes_through_haproxy_and_the_engine_runs_in_its_own_process(base):
     listeners = {c.pid for c in psutil.net_connections("tcp")
                  if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
     assert {psutil.Process(p).name() for p in listeners} == {"haproxy"}  # (two while HAProxy reloads its config)
-    replica = psutil.Process(_stats("tp1")["pid"])
+    replica = psutil.Process(decoder_stats("tp1")["pid"])
     assert [" ".join(c.cmdline()[-2:]) for c in replica.children()] == ["-m actors.engine_process"]
 
 
@@ -195,14 +179,14 @@ def test_a_shared_prompt_prefix_is_served_from_cached_pages(base, ref):
     """The second request repeats the first one's long system prompt: every full KV page of the common prefix
     comes from the prefix cache (the replica's stats count it), and the answer is what the engine gives alone."""
     system = "You are a careful calculator; answer with the number only. "
-    before = _stats("tp1")
+    before = decoder_stats("tp1")
     ids = []
     for q in ("12+7=", "3*4="):
         ids.append(ref[1].encode(system + q))
         r = _post(base, "tp1", "completions", {"model": MODEL, "prompt": system + q, "max_tokens": 8,
                                                "return_token_ids": True})
         assert r.json()["choices"][0]["token_ids"] == _want(ref, ids[-1], 8).token_ids
-    after, page = _stats("tp1"), ref[0].kv.page
+    after, page = decoder_stats("tp1"), ref[0].kv.page
     assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == len(os.path.commonprefix(ids)) // page * page > 0
     assert 0 < after["prefix_hit_rate"] <= 1 and after["kv_pages_free"] > 0
 
@@ -224,14 +208,14 @@ def test_a_killed_tp2_engine_process_restarts_every_rank(base):
     it got before."""
     import psutil
 
-    pid = _stats("tp2")["pid"]
+    pid = decoder_stats("tp2")["pid"]
     (engine,) = [p for p in psutil.Process(pid).children() if "actors.engine_process" in " ".join(p.cmdline())]
     body = {"model": MODEL, "prompt": "12+7=", "max_tokens": 24, "return_token_ids": True}
     before = _post(base, "tp2", "completions", body).json()
     os.kill(engine.pid, signal.SIGKILL)
     r = _post(base, "tp2", "completions", body)
     assert r.status_code == 200 and r.json()["choices"] == before["choices"], r.text
-    s = _stats("tp2")
+    s = decoder_stats("tp2")
     assert s["pid"] == pid and s["engine_restarts"] == 1
 
 
@@ -285,7 +269,7 @@ def test_32_clients_x_4_requests(base, ref):
         got = [resp for batch in pool.map(client, range(32)) for resp in batch]
     assert len({g["id"] for g in got}) == 128
     assert [g["choices"][0]["token_ids"] for g in got] == [w.token_ids for w in want]
-    assert _stats("tp1")["in_engine"] == 0
+    assert decoder_stats("tp1")["in_engine"] == 0
 
 
 # ---------------------------------------------------------------- validation
@@ -374,7 +358,7 @@ def test_healthy_after_bad_requests(base):
     assert httpx.get(f"{base}/tp1/health", timeout=TIMEOUT).json() == {"status": "ok"}
     r = _post(base, "tp1", "completions", {"model": MODEL, "prompt": "2+2=", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-    assert _stats("tp1")["in_engine"] == 0
+    assert decoder_stats("tp1")["in_engine"] == 0
 
 
 # ---------------------------------------------------------------- failures: disconnects, dead replicas
@@ -383,7 +367,7 @@ def test_healthy_after_bad_requests(base):
 def test_client_disconnect_frees_the_slot(base):
     """Two long streams (1000 tokens, one per step) are dropped after their first block: both are aborted in
     the engine, every slot is free again and the next request is served."""
-    before = _stats("tp1")["aborted"]
+    before = decoder_stats("tp1")["aborted"]
     body = {"model": MODEL, "prompt": "1+1=", "max_tokens": 1000, "tau_m2t": 1.0, "buffer_size": 1, "stream": True}
     for _ in range(2):
         with httpx.stream("POST", f"{base}/tp1/v1/completions", json=body, timeout=TIMEOUT) as r:
@@ -391,7 +375,7 @@ def test_client_disconnect_frees_the_slot(base):
     deadline = time.monotonic() + 60
     # the disconnect reaches the replica asynchronously (proxy -> replica -> host): wait for the host's streams
     # too, since the engine's in_engine is as of its last step and may not yet count the second request
-    while ((s := _stats("tp1"))["streams"] or s["in_engine"]) and time.monotonic() < deadline:
+    while ((s := decoder_stats("tp1"))["streams"] or s["in_engine"]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert s["aborted"] - before == 2 and s["streams"] == 0 and s["in_engine"] == 0 and s["free_slots"] == SLOTS, s
     r = _post(base, "tp1", "completions", {"model": MODEL, "prompt": "3+3=", "max_tokens": 4})
@@ -402,7 +386,7 @@ def test_killed_replica_is_replaced(base):
     """SIGKILL the decoder replica under load: the in-flight (non-streaming) requests have sent the client nothing
     yet, so the ingress decodes them again on the replica Serve starts in its place: every one is answered 200,
     and so are new requests."""
-    pid = _stats("tp1")["pid"]
+    pid = decoder_stats("tp1")["pid"]
     body = {"model": MODEL, "prompt": "1+1=", "max_tokens": 300, "tau_m2t": 1.0}
     with ThreadPoolExecutor(4) as pool:
         inflight = [pool.submit(_post, base, "tp1", "completions", body) for _ in range(4)]
@@ -419,4 +403,4 @@ def test_killed_replica_is_replaced(base):
         assert r.status_code == 503, r.text
         time.sleep(1)
     assert r is not None and r.status_code == 200, r.text
-    assert _stats("tp1")["pid"] != pid
+    assert decoder_stats("tp1")["pid"] != pid

@@ -19,10 +19,10 @@ import httpx
 import psutil
 import pytest
 
-from actors.tp_worker import free_port
 from mbd.checkpoint_files import read_model_config
 from mbd.tokenizer import Tokenizer
 from serve_app.config import ServeConfig
+from tests.integration.conftest import decoder_stats, serve_apps
 from tests.integration.poison import POISON_ENV, SITE
 from tests.integration.stream_outcome import stream_outcome
 from tests.integration.test_serve_units import DECODE
@@ -49,33 +49,25 @@ def tok(ckpt) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def base(ray_cluster, ckpt, tok: Tokenizer):
-    from ray import serve
-
+def base(serve_url, ckpt, tok: Tokenizer):
     from serve_app import app
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     with pytest.MonkeyPatch.context() as mp:  # the replica's engine processes crash on a step running POISON
         mp.setitem(app.ONE_LOOP, "env_vars", app.ONE_LOOP["env_vars"] | {
             POISON_ENV: ",".join(map(str, tok.encode(POISON))),
             "PYTHONPATH": os.pathsep.join([SITE] + [p for p in [os.environ.get("PYTHONPATH")] if p])})
-        serve.run(app.build_app({"serve_config": _config(ckpt)}), name="restart", route_prefix="/restart")
-    yield f"http://127.0.0.1:{port}/restart"
-    serve.shutdown()
-
-
-def _stats() -> dict:
-    from ray import serve
-
-    return serve.get_deployment_handle("Decoder", app_name="restart").stats.remote().result()
+        deployed = serve_apps(serve_url, restart=app.build_app({"serve_config": _config(ckpt)}))
+        url = next(deployed)
+    yield f"{url}/restart"
+    next(deployed, None)
 
 
 def _restarted(before: dict, n: int) -> dict:
     """The replica's stats once its engine process has restarted n times since `before` (a restart counts when the
     new process is up, which is after the request that killed the old one was answered), or at RECOVERY_BOUND_S."""
     deadline = time.monotonic() + RECOVERY_BOUND_S
-    while (after := _stats())["engine_restarts"] - before["engine_restarts"] < n and time.monotonic() < deadline:
+    while ((after := decoder_stats("restart"))["engine_restarts"] - before["engine_restarts"] < n
+           and time.monotonic() < deadline):
         time.sleep(0.2)
     return after
 
@@ -150,7 +142,7 @@ def test_a_request_that_crashes_the_engine_gets_a_500_and_the_one_beside_it_succ
     with the poisonous one in its step; the suspects are tried one at a time; the poisonous one kills the engine
     again and is failed: HTTP 500 without Retry-After, naming why, not retried by the ingress; the innocent one
     gets its 200; two restarts, one quarantined request, no stream lost."""
-    before = _stats()
+    before = decoder_stats("restart")
     bodies = [{"model": "mbd-test", "prompt": f"1+{POISON}=", "max_tokens": 8},
               {"model": "mbd-test", "prompt": "2+2=", "max_tokens": 8}]
     replies: dict = {}
@@ -171,11 +163,11 @@ def test_a_request_that_crashes_the_engine_gets_a_500_and_the_one_beside_it_succ
 
 
 def test_a_killed_engine_process_fails_only_its_streaming_requests(base):
-    replica = _stats()["pid"]
+    replica = decoder_stats("restart")["pid"]
     old_engine = _engine(replica)
-    before = _stats()
+    before = decoder_stats("restart")
     records, health, killed, recovered = asyncio.run(_scenario(base, replica))
-    stats = _stats()
+    stats = decoder_stats("restart")
     failed = [r for r in records if r["outcome"] != "ok"]
     in_flight = [r for r in records if r["start"] <= killed < r["end"]]
     print(f"requests {len(records)}, in flight at the kill {len(in_flight)}, failed {len(failed)}, answering again "

@@ -17,8 +17,8 @@ N_PLAIN, N_STREAM, N_REFUSED = 5, 3, 2
 
 
 @pytest.fixture(scope="module")
-def base(ray_cluster, ckpt):
-    for url in serve_apps(metrics=tiny_serve_config(ckpt, MODEL)):  # Serve shut down after the module
+def base(serve_url, ckpt):
+    for url in serve_apps(serve_url, metrics=tiny_serve_config(ckpt, MODEL)):  # the app deleted after the module
         yield f"{url}/metrics"
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from mbd.tiny.vocab import special_token_ids
 from mbd.tokenizer import Tokenizer
-from tests.integration.conftest import serve_apps, tiny_serve_config
+from tests.integration.conftest import decoder_stats, serve_apps, tiny_serve_config
 from tests.integration.test_serve_units import DECODE
 
 MODEL = "mbd-oai"
@@ -24,10 +24,10 @@ TIMEOUT = httpx.Timeout(120.0)
 
 
 @pytest.fixture(scope="module")
-def base(ray_cluster, ckpt):
+def base(serve_url, ckpt):
     cfg = tiny_serve_config(ckpt, MODEL, decoder={"max_ongoing_requests": 32, "max_queued_requests": 256,
                                                   "health_check_period_s": 2})
-    for url in serve_apps(oai=cfg):  # Serve shut down after the module
+    for url in serve_apps(serve_url, oai=cfg):  # the app deleted after the module
         yield f"{url}/oai"
 
 
@@ -337,9 +337,7 @@ def test_provisional_streaming_is_opt_in(base, client):
 def test_replica_death_mid_stream_ends_with_error(base):
     """Last in this module (it kills the decoder): the stream ends with finish_reason "error" and a generic
     error event (no actor id, PID or address), then [DONE]; the service stays healthy."""
-    from ray import serve
-
-    pid = serve.get_deployment_handle("Decoder", app_name="oai").stats.remote().result()["pid"]
+    pid = decoder_stats("oai")["pid"]
     body = {"model": MODEL, "prompt": "1+1=", "max_tokens": 1000, "tau_m2t": 1.0, "buffer_size": 1, "stream": True}
     events = []
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=TIMEOUT) as r:

@@ -21,11 +21,11 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 
 @pytest.fixture(scope="module")
-def base(ray_cluster, ckpt):
+def base(serve_url, ckpt):
     cfg = tiny_serve_config(ckpt, MODEL, decode=DECODE.model_copy(update={"max_new_tokens": 8}).model_dump(),
                             limits={"default_max_tokens": 4, "max_choices": 2},
                             decoder={"max_ongoing_requests": 32, "max_queued_requests": 256})
-    for url in serve_apps(fuzz=cfg):  # Serve shut down after the module
+    for url in serve_apps(serve_url, fuzz=cfg):  # the app deleted after the module
         yield f"{url}/fuzz"
 
 

@@ -8,28 +8,21 @@ import json
 import openai
 import pytest
 
-from actors.tp_worker import free_port
 from mbd.eval.math_scoring import score_gsm8k
 from mbd.tiny.task import generate as tiny_problems
 from serve_app.config import load_serve_config
+from tests.integration.conftest import serve_apps
 from tests.integration.test_serve_units import REPO
 
 
 @pytest.fixture(scope="module")
-def base(ray_cluster):
+def base(serve_url):
     """The tiny app's URL prefix (the served model name is the config's)."""
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    port = free_port()
     tiny = load_serve_config(REPO / "configs" / "serve" / "tiny.yaml")
     tiny = tiny.model_copy(update={"model": tiny.model.model_copy(update={"path": str(tiny.model.resolved_path()),
                                                                           "num_cpus_per_rank": 0.1})})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"serve_config": tiny}), name="tiny", route_prefix="/tiny")
-    yield f"http://127.0.0.1:{port}/tiny"
-    serve.shutdown()
+    for url in serve_apps(serve_url, tiny=tiny):  # the app deleted after the module
+        yield f"{url}/tiny"
 
 
 # ---------------------------------------------------------------- lm-evaluation-harness against the tiny model
