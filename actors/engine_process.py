@@ -8,8 +8,9 @@ the tiny model a replica with the engine in a thread served 0.6x the requests of
 process the engine steps at its own speed while the replica's Python runs beside it (vLLM V1 splits its engine
 core from its API server for the same reason).
 
-The replica (actors/engine_host.py `EngineHost`) starts `python -m actors.engine_process` with one end of a socket pair
-and talks to it through that one connection, in the messages of actors/messages.py. In: `Start` first, then
+The replica (actors/engine_host.py `EngineHost`) starts `python -m actors.engine_process` (actors/launch.py) with one
+end of a socket pair and talks to it through that one connection, in the messages of actors/messages.py. In:
+`Start` first, then
 `Add`, `Abort`, `AskStats`, `Stop`. Out: `Ready` once, then `Running` before admitting requests and before a step
 whose requests changed, `Stepped` after a step that has something to say, `StatsReply` when asked, or `Failed`
 before exiting. The process ends on `Stop` or when the connection closes (the replica died: no engine outlives
@@ -19,8 +20,6 @@ its replica).
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -28,17 +27,14 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from actors.messages import Add, AskStats, Failed, Ready, Running, Start, StatsReply, Stepped, ToEngine
+from actors.messages import FD_ENV, Add, AskStats, Failed, Ready, Running, Start, StatsReply, Stepped, ToEngine
 from actors.tp_worker import Lockstep, init_tp
 from actors.trace import Trace
-from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.engine import Engine
-from mbd.decoding.model_spec import ModelSpec
 from mbd.decoding.spec import build_engine
 
 ON_STEP_S = 0.5  # stats ride along with a step's outputs at most this often (a step can take a millisecond)
 IDLE_TICK_S = 1.0  # an idle rank 0 still broadcasts this often, so follower ranks never hit a collective timeout
-FD_ENV = "MBD_ENGINE_FD"  # the inherited socket's file descriptor
 
 
 def engine_stats(engine: Engine, in_engine: int) -> dict[str, float]:
@@ -133,19 +129,6 @@ def main() -> None:
         except OSError:
             pass
         sys.exit(1)
-
-
-def start(spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, addr: str, port: int
-          ) -> tuple[subprocess.Popen, Connection]:
-    """`python -m actors.engine_process` with the same interpreter, environment and import path as this
-    process, and the replica's end of its connection (the engine's arguments already sent)."""
-    mine, theirs = socket.socketpair()
-    env = os.environ | {FD_ENV: str(theirs.fileno()), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.Popen([sys.executable, "-m", "actors.engine_process"], env=env, pass_fds=[theirs.fileno()])
-    theirs.close()
-    conn = Connection(mine.detach())
-    conn.send(Start(spec, decode, engine, addr, port))
-    return proc, conn
 
 
 if __name__ == "__main__":

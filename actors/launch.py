@@ -1,19 +1,24 @@
 """Start a decoder replica's engine process and, with tensor_parallel_size > 1, its ranks 1.. as `TPWorker`
-actors in the other bundles of the replica's placement group; wait until the engine says it is `Ready`."""
+actors in the other bundles of the replica's placement group; wait until the engine says it is `Ready`.
+
+Imports no torch: only the engine process and the TP ranks need it. A replica with one rank, the engine host,
+therefore starts without it (torch's import is about 3 s of CPU on the machines the tests run on, paid again at
+every replica start before its engine process can start)."""
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors import engine_process
-from actors.messages import EngineDead, Failed, Ready
+from actors.messages import FD_ENV, EngineDead, Failed, Ready, Start
 from actors.supervisor import exit_status
-from actors.tp_worker import TPWorker, free_port
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.model_spec import ModelSpec
 from mbd.decoding.validate import EngineLimits
@@ -34,10 +39,8 @@ def end_workers(workers: list[tuple[object, ray.ObjectRef]]) -> None:
 
 def launch(spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, timeout_s: float) -> Launched:
     """A new engine process (and TP ranks). Raises EngineDead if it does not come up within timeout_s."""
-    world = spec.tensor_parallel_size
-    addr, port = (ray.util.get_node_ip_address(), free_port("")) if world > 1 else ("", 0)
-    workers = [_start_worker(spec, decode, engine, r, addr, port) for r in range(1, world)]
-    proc, conn = engine_process.start(spec, decode, engine, addr, port)
+    addr, port, workers = _start_ranks(spec, decode, engine) if spec.tensor_parallel_size > 1 else ("", 0, [])
+    proc, conn = _start_engine_process(Start(spec, decode, engine, addr, port))
     try:
         first = conn.recv() if conn.poll(timeout_s) else Failed(f"no answer within {timeout_s:.0f}s")
     except (EOFError, OSError) as e:
@@ -55,13 +58,33 @@ def launch(spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, timeout_
                      f"{first.message if isinstance(first, Failed) else first!r}")
 
 
-def _start_worker(spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, rank: int, addr: str, port: int
-                  ) -> tuple[object, ray.ObjectRef]:
+def _start_engine_process(start: Start) -> tuple[subprocess.Popen, Connection]:
+    """`python -m actors.engine_process` with the same interpreter, environment and import path as this
+    process, and this process's end of its connection (`start` already sent)."""
+    mine, theirs = socket.socketpair()
+    env = os.environ | {FD_ENV: str(theirs.fileno()), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "actors.engine_process"], env=env, pass_fds=[theirs.fileno()])
+    theirs.close()
+    conn = Connection(mine.detach())
+    conn.send(start)
+    return proc, conn
+
+
+def _start_ranks(spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig
+                 ) -> tuple[str, int, list[tuple[object, ray.ObjectRef]]]:
+    """Ranks 1.. as TPWorker actors in the other bundles of the replica's placement group, and the rendezvous
+    address they and rank 0 meet at. The one place this module loads torch (through actors.tp_worker)."""
+    from actors.tp_worker import TPWorker, free_port
+
     pg = ray.util.get_current_placement_group()
     if pg is None:
         raise EngineDead("tensor_parallel_size > 1 needs a placement group (Serve placement_group_bundles)")
-    actor = TPWorker.options(
-        num_cpus=spec.num_cpus_per_rank, num_gpus=spec.num_gpus_per_rank,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-    ).remote()
-    return actor, actor.run.remote(spec, decode, engine, rank, addr, port)
+    addr, port = ray.util.get_node_ip_address(), free_port("")
+    workers = []
+    for rank in range(1, spec.tensor_parallel_size):
+        actor = TPWorker.options(
+            num_cpus=spec.num_cpus_per_rank, num_gpus=spec.num_gpus_per_rank,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+        ).remote()
+        workers.append((actor, actor.run.remote(spec, decode, engine, rank, addr, port)))
+    return addr, port, workers

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from mbd.decoding.validate import EngineLimits, RequestError
 
 
+FD_ENV = "MBD_ENGINE_FD"  # the engine process's end of its socket pair, a file descriptor it inherits
+
+
 class EngineDead(RuntimeError):
     """The engine process is gone for this request: it exited mid-stream, or the replica gave up restarting it
     (then check_health fails and Serve replaces the replica)."""

@@ -1,8 +1,8 @@
 """A request that crashes the engine by itself, as a rare engine bug would, for the quarantine tests; the product
 has no hook for it. A test sets `POISON_ENV` (token ids, comma-separated) and puts `SITE` on the import path of
-the process that starts engine processes (`engine_process.start` hands its sys.path on as PYTHONPATH): Python
+the process that starts engine processes (actors/launch.py hands its sys.path on as PYTHONPATH): Python
 then imports SITE's sitecustomize at each engine process's start, which wraps `Lockstep` so that a step with a
-prompt holding the poison raises, in the engine process only (the process that reads `engine_process.FD_ENV`)."""
+prompt holding the poison raises, in the engine process only (the process given `actors.messages.FD_ENV`)."""
 
 from __future__ import annotations
 

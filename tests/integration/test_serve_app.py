@@ -67,7 +67,8 @@ def _want(ref, ids, max_tokens, **kw):
 
 def test_http_goes_through_haproxy_and_the_engine_runs_in_its_own_process(base):
     """The session's cluster serves in Ray Serve's high-throughput mode (`serving_env`): HAProxy, not Serve's
-    Python proxy, holds the HTTP port; and the decoder replica's engine is a child process of it."""
+    Python proxy, holds the HTTP port; the decoder replica's engine is a child process of it, and only the engine
+    loaded torch (a TP=1 replica host never does: actors/launch.py)."""
     import psutil
 
     port = int(base.rsplit(":", 1)[1])
@@ -76,6 +77,12 @@ def test_http_goes_through_haproxy_and_the_engine_runs_in_its_own_process(base):
     assert {psutil.Process(p).name() for p in listeners} == {"haproxy"}  # (two while HAProxy reloads its config)
     replica = psutil.Process(decoder_stats("tp1")["pid"])
     assert [" ".join(c.cmdline()[-2:]) for c in replica.children()] == ["-m actors.engine_process"]
+    assert not _maps_torch(replica) and _maps_torch(replica.children()[0])
+
+
+def _maps_torch(proc) -> bool:
+    """Whether the process has torch's C++ library mapped (it has imported torch)."""
+    return any("libtorch" in m.path for m in proc.memory_maps(grouped=True))
 
 
 def test_completion_matches_engine(base, ref):

@@ -1,7 +1,9 @@
 """The HTTP ingress loads no torch and no engine: it reads the request types (actors/messages.py,
-mbd/decoding/validate.py, outputs.py, constraint_spec.py, model_spec.py), never the engine host. Checked in a
-fresh interpreter, where nothing was imported before."""
+mbd/decoding/validate.py, outputs.py, constraint_spec.py, model_spec.py), never the engine host. The decoder
+replica, the engine host, loads no torch either: only its engine process and TP ranks do (actors/launch.py).
+Checked in a fresh interpreter, where nothing was imported before."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +16,19 @@ HEAVY = ("torch", "mbd.decoding.engine", "actors.engine_host", "actors.engine_pr
 
 @pytest.mark.parametrize("module", ["serve_app.ingress", "serve_app.config", "actors.messages", "actors.supervisor"])
 def test_module_imports_no_torch(module):
-    code = f"import sys, {module}; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    assert loaded(module, HEAVY) == []
+
+
+@pytest.mark.parametrize("module", ["serve_app.app", "serve_app.decoder_replica", "actors.launch"])
+def test_the_replica_host_imports_no_torch(module):
+    assert loaded(module, ("torch", "mbd.decoding.engine", "actors.engine_process", "actors.tp_worker")) == []
+
+
+def loaded(module: str, heavy: tuple[str, ...]) -> list[str]:
+    """Which of `heavy` a fresh interpreter has loaded after importing `module`."""
+    code = f"import json, sys, {module}; print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout
+    return json.loads(out.stdout)
 
 
 def test_the_decoding_package_still_exports_the_engine():
