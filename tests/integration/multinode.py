@@ -103,8 +103,11 @@ class LocalCluster:
         machine-wide `ray_current_cluster` record, which may name another user's cluster."""
         from ray.cluster_utils import Cluster
 
+        # no log monitor (Ray's Cluster starts none on worker nodes either): it tails every worker's log file to
+        # relay it to the driver, which a test never reads (the files stay in the session's log directory); in a
+        # profile of the whole suite the log monitors used 88 s of CPU
         head = dict(gcs_server_port=self.port, num_cpus=self.head_cpus, object_store_memory=self.object_store_mb * MB,
-                    resources=self.head_resources, include_dashboard=False,
+                    resources=self.head_resources, include_dashboard=False, include_log_monitor=False,
                     dashboard_port=listen_port(),
                     dashboard_agent_listen_port=listen_port(), _system_config=self.system_config,
                     autoscaling_config=self.autoscaling_config)

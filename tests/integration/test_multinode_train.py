@@ -1,6 +1,10 @@
 """Ray Train + DeepSpeed across nodes: the two workers start on two different nodes; a worker node is removed
 mid-run after a checkpoint, the run goes on from the last checkpoint on the nodes left, and its step log, losses
-and exported weights are those of the uninterrupted run (the single-process reference of test_train_multitf)."""
+and exported weights are those of the uninterrupted run (the single-process reference of test_train_multitf); a
+re-run with the same RunConfig(name, storage_path) and more steps continues where the run stopped, and `mbd export`
+of its latest checkpoint gives the weights it exported. The run takes the pretraining path (block-diffusion TF
+layouts, random scheduler, SDAR's weighted CE); test_train_multitf runs MultiTF layouts. A worker that raises
+instead of being lost takes the same restart (Ray Train's failure policy): test_train_fault, `slow`."""
 
 import json
 import threading
@@ -13,6 +17,7 @@ import torch
 
 from mbd.model import load_checkpoint
 from pipelines import train_multitf
+from pipelines.export import main as export_main
 from pipelines.train_multitf import run_train
 from tests.integration.multinode_jobs import loop_marking_node, steps_started, worker_nodes
 from tests.integration.train_helpers import make_model_and_corpus, reference_run, step_losses, train_config
@@ -36,7 +41,9 @@ def checkpointed_steps(run_dir: Path) -> list[int]:
 def test_training_on_two_nodes_survives_losing_one(multinode, tmp_path, monkeypatch):
     model_dir, corpus = make_model_and_corpus(tmp_path)
     cfg = train_config("nodes", tmp_path / "runs", model_dir, corpus, steps=STEPS, checkpoint_every=EVERY,
-                       max_failures=1, cpus_per_worker=1, deepspeed__grad_accum=1)
+                       max_failures=1, cpus_per_worker=1, deepspeed__grad_accum=1,
+                       layouts={"mode": "tf", "gmax": 2, "scheduler": {"name": "random"}},
+                       objective={"name": "sdar_weighted_ce"})
     run_dir = tmp_path / "runs" / "nodes"
     cluster = multinode(workers=(1, 1))  # three 1-CPU nodes: two 1-CPU workers cannot share one
     monkeypatch.setattr(train_multitf, "train_loop", loop_marking_node)
@@ -84,3 +91,12 @@ def test_training_on_two_nodes_survives_losing_one(multinode, tmp_path, monkeypa
     exported, _ = load_checkpoint(summary.export_dir)
     for (name, a), b in zip(exported.state_dict().items(), ref_model.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+    monkeypatch.undo()  # the re-run trains as `mbd train` does, on the head and the node left
+    rerun = run_train(cfg.model_copy(update={"steps": STEPS + 2}), show_progress=False)
+    assert [int(m["step"]) for m in rerun.history if "loss" in m] == [STEPS + 1, STEPS + 2]
+    assert rerun.last_step == STEPS + 2
+    assert export_main(["--run-dir", str(run_dir), "--out", str(tmp_path / "cli")]) == 0
+    cli, _ = load_checkpoint(tmp_path / "cli")
+    final, _ = load_checkpoint(rerun.export_dir)
+    assert all(torch.equal(a, b) for a, b in zip(cli.state_dict().values(), final.state_dict().values()))

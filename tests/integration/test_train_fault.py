@@ -1,7 +1,10 @@
 """Fault tolerance: a worker that raises is restarted from the last checkpoint, and a re-run with the same
 RunConfig(name, storage_path) resumes where the run stopped.
 
-The fault is injected by the test alone (`loop_with_fault`): no production config field or code path knows of it."""
+The fault is injected by the test alone (`loop_with_fault`): no production config field or code path knows of it.
+`slow`: test_multinode_train covers the same restart (a lost node's workers instead of a raising one, the same
+failure policy and checkpoint resume), the re-run and `mbd export` on the same pretraining path, on a multi-node
+cluster; this one adds only the raising worker, three worker groups for it."""
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from tests.integration.train_helpers import (FAIL_AT, FAULT_MARKER, loop_with_fa
                                              step_losses, train_config)
 
 
+@pytest.mark.slow
 def test_worker_failure_resumes_from_last_checkpoint_then_rerun_continues(ray_cluster, tmp_path, monkeypatch):
     model_dir, corpus = make_model_and_corpus(tmp_path)
     every, fail_at = 2, FAIL_AT
