@@ -10,11 +10,10 @@ core from its API server for the same reason).
 
 The replica (actors/engine_host.py `EngineHost`) starts `python -m actors.engine_process` (actors/launch.py) with one
 end of a socket pair and talks to it through that one connection, in the messages of actors/messages.py. In:
-`Start` first, then
-`Add`, `Abort`, `AskStats`, `Stop`. Out: `Ready` once, then `Running` before admitting requests and before a step
-whose requests changed, `Stepped` after a step that has something to say, `StatsReply` when asked, or `Failed`
-before exiting. The process ends on `Stop` or when the connection closes (the replica died: no engine outlives
-its replica).
+`Start` first, then `Add`, `Abort`, `AskStats`, `Stop`. Out: `Ready` once, then `Running` before admitting requests
+and before a step whose requests changed, `Stepped` after a step that has something to say, `StatsReply` when
+asked, or `Failed` before exiting. The process ends on `Stop` or when the connection closes (the replica died: no
+engine outlives its replica).
 """
 
 from __future__ import annotations
