@@ -1,6 +1,6 @@
 """Guard for training changes: the quickstart recipe's MBD-tiny against SingleBD on 10,000 held-out problems.
 
-    python -m benchmarks.tiny_parity                          # seeds 0-4: about 35 minutes on 2 cores
+    python -m benchmarks.tiny_parity                          # seeds 0-4: about an hour on 2 quiet cores
     python -m benchmarks.tiny_parity --seeds 0 --run-dir /tmp/parity --set train.lr=2e-3
 
 Run it before a change to mbd/multitf/, pipelines/expand_layouts.py or pipelines/train_multitf.py lands
