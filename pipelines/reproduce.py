@@ -349,7 +349,7 @@ def report(cfg: QuickstartConfig, run: Path, reg: Registration, runs: Sequence[R
     return claims, path
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mbd reproduce", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="QuickstartConfig YAML (the shared knobs)")
@@ -365,16 +365,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="override a QuickstartConfig field, e.g. --set train.lr=3e-4")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from stored results; no Ray")
     ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def parts_of(arg: str) -> list[str]:
+    parts = [p.strip() for p in arg.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        raise ConfigError(f"--parts: unknown {unknown or parts}; choose from {','.join(PARTS)}")
+    return parts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     sets = [f"{k}={v}" for k, v in {"train.steps": args.steps, "eval.problems": args.problems,
                                     "eval.claim_problems": args.claim_problems,
                                     "corpus.problems": args.corpus}.items() if v is not None] \
         + [f"claim_seeds.{c}={args.seeds}" for c in "acde" if args.seeds is not None] + args.sets
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     try:
-        unknown = sorted(set(parts) - set(PARTS))
-        if unknown or not parts:
-            raise ConfigError(f"--parts: unknown {unknown or parts}; choose from {','.join(PARTS)}")
+        parts = parts_of(args.parts)
         cfg = load_config(args.config, sets)
         t0 = time.perf_counter()
         claims, path = run_reproduce(cfg, Path(args.run_dir), parts, not args.no_progress, args.report_only)

@@ -45,11 +45,12 @@ RUN_BY = {
     "python -m benchmarks.gpu_acceptance --budget 420": "tests/unit/test_gpu_acceptance_quick.py (--device cpu --quick: "
                                                         "the rows that compile nothing; every row when slow; the "
                                                         "short run's order and budget)",
-    "python -m benchmarks.tiny_parity": "by hand before a training-recipe change (about 35 minutes; docs/training.md)",
+    "python -m benchmarks.tiny_parity": "by hand before a training-recipe change (about an hour; docs/training.md)",
     "mbd quickstart": "tests/e2e/test_quickstart.py (reduced: --steps 2 --problems 6 --corpus 24, a smaller "
                       "TPS timing)",
     "mbd reproduce": "here, slow (reduced: --parts core --steps 2 --problems 4 --claim-problems 8 --corpus 16 "
                      "--seeds 2)",
+    "mbd reproduce --parts core": "here, slow: the reduced `mbd reproduce` above runs this part",
     "mbd pretrain-tiny": "here, slow (reduced: --steps 2, 64 problems)",
     CORPUS: "here", GENERATE: "here", FORWARD: "here",
     EXPAND: "here, slow", TRAIN: "here, slow (2 steps)", SERVE: "here, slow (one request)",
@@ -133,6 +134,14 @@ def check_quickstart(argv):
     return load_config(parser().parse_args(argv).config)
 
 
+def check_reproduce(argv):
+    from pipelines.reproduce import parser, parts_of
+    from pipelines.stages import load_config
+    args = parser().parse_args(argv)
+    assert parts_of(args.parts)
+    return load_config(args.config)
+
+
 def check_pretrain(argv):
     from pipelines.pretrain_tiny import DEFAULT_CONFIG, load_pretrain_config
     assert argv == []
@@ -140,7 +149,7 @@ def check_pretrain(argv):
 
 
 CHECKS = {"expand": check_expand, "train": check_train, "serve": check_serve, "eval": check_eval,
-          "quickstart": check_quickstart, "reproduce": check_quickstart, "pretrain-tiny": check_pretrain}
+          "quickstart": check_quickstart, "reproduce": check_reproduce, "pretrain-tiny": check_pretrain}
 
 
 @pytest.mark.parametrize("command", [c for c in RUN_BY if c.startswith("mbd ") and c not in (GENERATE, FORWARD)])
