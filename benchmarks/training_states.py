@@ -12,6 +12,7 @@ operating point) it prints:
   ACTIVE blocks (forwards with none, which only store the cache, left out);
 - TV(pairs): total variation distance between the training pairs' and decoding pairs' distributions over
   (first, second) masked fractions; TV(blocks): the same over single blocks' masked fractions;
+- most frequent pairs: the three commonest (earlier, later) masked fractions and their shares;
 - rising pairs: share of pairs whose second block is at least as masked as the first;
 - decoding pairs / blocks unseen: share of decoding's pairs (blocks) whose masked fractions no training row has
   (with the paper's n_k = floor(B t_k) and t_eff < 1, no trained block is fully masked at B = 4).
@@ -85,6 +86,11 @@ def unseen_share(train: Counter, dec: Counter) -> float:
     return sum(n for k, n in dec.items() if k not in train) / sum(dec.values())
 
 
+def top_pairs(pairs: Counter, k: int = 3) -> str:
+    total = sum(pairs.values())
+    return ", ".join(f"({a:g}, {b:g}) {100 * n / total:.1f}%" for (a, b), n in pairs.most_common(k))
+
+
 def shares(sizes: Counter, upto: int) -> str:
     total = sum(sizes.values())
     return " / ".join(f"{sizes[k] / total:.2f}" for k in range(1, upto + 1))
@@ -103,8 +109,8 @@ def table(run: Path, upto: int = 4) -> str:
     cfg = json.loads((run / "variants" / "chain" / "model" / "config.json").read_text())
     mask_id, block_size = cfg["mask_token_id"], cfg["block_size"]
     lines = [f"| variant (seed 0) | source | blocks per group / per forward, 1 .. {upto} | rising pairs | "
-             "TV(pairs) | TV(blocks) | decoding pairs unseen | decoding blocks unseen |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+             "most frequent pairs | TV(pairs) | TV(blocks) | decoding pairs unseen | decoding blocks unseen |",
+             "|---|---|---|---:|---|---:|---:|---:|---:|"]
     for v in sorted(p.name for p in (run / "variants").iterdir() if "-s" not in p.name):
         trace = run / "eval" / "traces" / f"mbd-{v}" / f"mbd-{v}" / "tinymath.jsonl"
         if not (run / "variants" / v / "layouts" / "rows").is_dir() or not trace.is_file():
@@ -113,9 +119,10 @@ def table(run: Path, upto: int = 4) -> str:
                                                        block_size)
         (d_sizes, d_pairs, d_blocks) = decoding_states(read_traces(trace))
         lines += [f"| {v} | training | {shares(t_sizes, upto)} | {rising_share(t_pairs):.3f} | "
-                  f"{total_variation(t_pairs, d_pairs):.3f} | {total_variation(t_blocks, d_blocks):.3f} | "
+                  f"{top_pairs(t_pairs)} | {total_variation(t_pairs, d_pairs):.3f} | {total_variation(t_blocks, d_blocks):.3f} | "
                   f"{unseen_share(t_pairs, d_pairs):.3f} | {unseen_share(t_blocks, d_blocks):.3f} |",
-                  f"| {v} | decoding | {shares(d_sizes, upto)} | {rising_share(d_pairs):.3f} | | | | |"]
+                  f"| {v} | decoding | {shares(d_sizes, upto)} | {rising_share(d_pairs):.3f} | "
+                  f"{top_pairs(d_pairs)} | | | | |"]
     return "\n".join(lines)
 
 

@@ -4,8 +4,8 @@ from collections import Counter
 
 import numpy as np
 
-from benchmarks.training_states import (decoding_states, masked_fractions, rising_share, total_variation,
-                                        training_states, unseen_share)
+from benchmarks.training_states import (decoding_states, masked_fractions, rising_share, top_pairs,
+                                        total_variation, training_states, unseen_share)
 from mbd.multitf.corrupt import layout_row
 from mbd.multitf.layouts import layout_specs
 from mbd.multitf.schedulers import SchedulerConfig, build_scheduler
@@ -59,3 +59,4 @@ def test_distances():
     assert total_variation(p, q) == 0.5 * (abs(0.75 - 0.5) + 0.25 + 0.5)
     assert total_variation(p, p) == 0.0
     assert unseen_share(p, q) == 0.5
+    assert top_pairs(Counter({(0.25, 1.0): 3, (0.5, 0.5): 1}), 1) == "(0.25, 1) 75.0%"
