@@ -31,9 +31,6 @@ from typing import Iterable, Sequence
 import numpy as np
 import pyarrow.parquet as pq
 
-Pair = tuple[float, float]
-
-
 def masked_fractions(noisy: np.ndarray, clean: np.ndarray, mask_id: int, block_size: int, blocks: int) -> np.ndarray:
     """Masked tokens / block_size for each of `blocks` blocks (a short last block counts its missing tokens as
     unmasked)."""
@@ -115,11 +112,10 @@ def table(run: Path, upto: int = 4) -> str:
         trace = run / "eval" / "traces" / f"mbd-{v}" / f"mbd-{v}" / "tinymath.jsonl"
         if not (run / "variants" / v / "layouts" / "rows").is_dir() or not trace.is_file():
             continue
-        (t_sizes, t_pairs, t_blocks) = training_states(read_rows(run / "variants" / v / "layouts"), mask_id,
-                                                       block_size)
-        (d_sizes, d_pairs, d_blocks) = decoding_states(read_traces(trace))
-        lines += [f"| {v} | training | {shares(t_sizes, upto)} | {rising_share(t_pairs):.3f} | "
-                  f"{top_pairs(t_pairs)} | {total_variation(t_pairs, d_pairs):.3f} | {total_variation(t_blocks, d_blocks):.3f} | "
+        t_sizes, t_pairs, t_blocks = training_states(read_rows(run / "variants" / v / "layouts"), mask_id, block_size)
+        d_sizes, d_pairs, d_blocks = decoding_states(read_traces(trace))
+        lines += [f"| {v} | training | {shares(t_sizes, upto)} | {rising_share(t_pairs):.3f} | {top_pairs(t_pairs)} | "
+                  f"{total_variation(t_pairs, d_pairs):.3f} | {total_variation(t_blocks, d_blocks):.3f} | "
                   f"{unseen_share(t_pairs, d_pairs):.3f} | {unseen_share(t_blocks, d_blocks):.3f} |",
                   f"| {v} | decoding | {shares(d_sizes, upto)} | {rising_share(d_pairs):.3f} | "
                   f"{top_pairs(d_pairs)} | | | | |"]
