@@ -61,16 +61,6 @@ def pytest_xdist_make_scheduler(config, log):
     return RayTestsTogether(config, log)
 
 
-def pytest_collection_modifyitems(session, config, items):
-    """The Ray tests' modules that move the driver to a cluster of their own (`multinode`) run after every other
-    Ray test, each module kept whole. Ray ends a job's worker processes when its driver disconnects, so each such
-    test left the tests after it to start their workers again (each importing torch, 3-6 s of CPU); last, they
-    leave nothing behind them to pay it."""
-    moving = {item.module.__name__ for item in items
-              if work_unit(item.nodeid) == "ray" and "multinode" in getattr(item, "fixturenames", ())}
-    items.sort(key=lambda item: item.module.__name__ in moving)  # stable: collection order within each part
-
-
 def work_unit(nodeid: str) -> str:
     """The xdist work unit of a test: "ray" for every test on the session's cluster, else its module's path."""
     path = nodeid.split("::", 1)[0]

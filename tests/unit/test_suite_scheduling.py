@@ -1,11 +1,8 @@
 """The suite's xdist scheduling (tests/conftest.py): every test on the session's Ray cluster in one work unit (one
-worker, one cluster, collection order, the modules that reconnect the driver last), each unit module a work unit of
-its own. xdist's `loadgroup` marks were tried first and silently did nothing under pytest 9: this checks the scopes
-the scheduler actually uses."""
+worker, one cluster, collection order), each unit module a work unit of its own. xdist's `loadgroup` marks were
+tried first and silently did nothing under pytest 9: this checks the scopes the scheduler actually uses."""
 
-from types import SimpleNamespace
-
-from tests.conftest import pytest_collection_modifyitems, work_unit
+from tests.conftest import work_unit
 
 IDS = {
     "tests/e2e/test_quickstart.py::test_table_has_the_four_methods_with_finite_numbers": "ray",
@@ -20,23 +17,3 @@ IDS = {
 
 def test_ray_tests_are_one_work_unit_and_each_unit_module_its_own():
     assert {nodeid: work_unit(nodeid) for nodeid in IDS} == IDS
-
-
-def _item(nodeid: str, *fixtures: str) -> SimpleNamespace:
-    module = nodeid.split("::")[0].removesuffix(".py").replace("/", ".")
-    return SimpleNamespace(nodeid=nodeid, module=SimpleNamespace(__name__=module), fixturenames=list(fixtures))
-
-
-def test_modules_that_reconnect_the_driver_run_after_the_other_ray_tests_each_kept_whole():
-    items = [_item("tests/e2e/test_a.py::t1", "ray_cluster"),
-             _item("tests/integration/test_m.py::t1", "multinode"),
-             _item("tests/integration/test_m.py::t2", "ray_cluster"),  # same module: moves with it, in order
-             _item("tests/integration/test_b.py::t1", "ray_cluster"),
-             _item("tests/integration/test_n.py::t1", "multinode"),
-             _item("tests/integration/test_c.py::t1"),
-             _item("tests/unit/test_u.py::t1", "multinode")]  # not a Ray test: stays where it is
-    pytest_collection_modifyitems(None, None, items)
-    assert [i.nodeid for i in items] == [
-        "tests/e2e/test_a.py::t1", "tests/integration/test_b.py::t1", "tests/integration/test_c.py::t1",
-        "tests/unit/test_u.py::t1", "tests/integration/test_m.py::t1", "tests/integration/test_m.py::t2",
-        "tests/integration/test_n.py::t1"]
