@@ -31,6 +31,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import pyarrow.parquet as pq
 
+
 def masked_fractions(noisy: np.ndarray, clean: np.ndarray, mask_id: int, block_size: int, blocks: int) -> np.ndarray:
     """Masked tokens / block_size for each of `blocks` blocks (a short last block counts its missing tokens as
     unmasked)."""
