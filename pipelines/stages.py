@@ -9,6 +9,7 @@ AUP curve, whose points are `eval.curve` (plus `eval.multibd_curve` under MultiB
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -149,10 +150,13 @@ def load_config(path: str | Path, sets: Sequence[str] = ()) -> QuickstartConfig:
 # ---------------------------------------------------------------- stages
 
 class Stages:
-    """Numbered stage banners and a wall-time line per stage."""
+    """Numbered stage banners and a wall-time line per stage. With a `log` (a resumable run's JSON file), each stage's
+    time is also added to its total there the moment the stage ends, so a run resumed after a kill reports the time
+    every finished piece of work took, not only what its last invocation redid."""
 
-    def __init__(self, names: Sequence[str]):
-        self.names, self.wall_s = list(names), {}
+    def __init__(self, names: Sequence[str], log: Path | None = None):
+        self.names, self.wall_s, self.log = list(names), {}, log
+        self.total_s: dict[str, float] = json.loads(log.read_text()) if log is not None and log.is_file() else {}
 
     @contextmanager
     def run(self, name: str, what: str) -> Iterator[None]:
@@ -162,6 +166,11 @@ class Stages:
         yield
         self.wall_s[name] = round(time.perf_counter() - t0, 1)
         print(f"==> [{i}/{n}] {name}: done, wall time {self.wall_s[name]:.1f} s", flush=True)
+        if self.log is not None:
+            self.total_s[name] = round(self.total_s.get(name, 0.0) + self.wall_s[name], 1)
+            tmp = self.log.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.total_s, indent=2))
+            tmp.replace(self.log)
 
 
 def write_corpus(path: Path, problems: int, seed: int) -> Path:

@@ -110,3 +110,26 @@ def test_report_only_refuses_an_unregistered_run(tmp_path):
     with pytest.raises(ConfigError, match="no run registered"):
         run_reproduce(_cfg(4), tmp_path, ["core"], progress=False, report_only=True)
     assert not any(tmp_path.iterdir())
+
+
+def test_wall_times_add_up_over_resumed_invocations_and_a_killed_step_adds_nothing(tmp_path, monkeypatch):
+    """A resumed run's report shows what every finished step took, not what its last invocation redid in ~0 s."""
+    import pipelines.stages as stages_module
+    from pipelines.stages import Stages
+
+    clock = iter([0.0, 400.0, 400.0, 1000.0, 1000.5, 1000.5, 1300.0])  # perf_counter at each start and end
+    monkeypatch.setattr(stages_module.time, "perf_counter", lambda: next(clock))
+    log = tmp_path / "wall_s.json"
+    first = Stages(["train", "eval"], log=log)
+    with first.run("train", "x"):
+        pass
+    with pytest.raises(KeyboardInterrupt), first.run("eval", "x"):  # killed mid-way: no end, nothing recorded
+        raise KeyboardInterrupt
+    assert first.total_s == {"train": 400.0}
+    second = Stages(["train", "eval"], log=log)  # resumed: train is stored (0.5 s), eval runs again
+    with second.run("train", "x"):
+        pass
+    with second.run("eval", "x"):
+        pass
+    assert second.wall_s == {"train": 0.5, "eval": 299.5}
+    assert Stages([], log=log).total_s == {"train": 400.5, "eval": 299.5}
