@@ -1,6 +1,7 @@
 """The suite's xdist scheduling (tests/conftest.py): every test on the session's Ray cluster in one work unit (one
-worker, one cluster, collection order), each unit module, and each Ray module whose tests start clusters of their own, a work unit of its own. xdist's `loadgroup` marks were
-tried first and silently did nothing under pytest 9: this checks the scopes the scheduler actually uses."""
+worker, one cluster, collection order); each unit module, and each Ray module whose tests start clusters of their
+own, a work unit of its own. xdist's `loadgroup` marks were tried first and silently did nothing under pytest 9:
+this checks the scopes the scheduler actually uses."""
 
 import pytest
 
