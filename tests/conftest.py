@@ -67,7 +67,8 @@ def pytest_xdist_make_scheduler(config, log):
 # tests instead of after them (measured in CI on 2 quiet cores: pytest 1,197 -> 1,081 s). A test in one of them that
 # asks for the session's cluster is refused at collection: the other worker would start a second one.
 OWN_CLUSTER_MODULES = frozenset(f"tests/integration/{name}.py" for name in (
-    "test_multinode_expand", "test_multinode_train", "test_serve_node_loss", "test_sweep_multinode"))
+    "test_multinode_expand", "test_multinode_train", "test_serve_node_loss", "test_serve_sigterm",
+    "test_sweep_multinode"))
 SESSION_CLUSTER_FIXTURES = frozenset({"ray_cluster", "serve_url"})
 
 

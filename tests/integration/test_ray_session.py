@@ -1,22 +1,17 @@
 """`ray_session` / `ray_cluster`: Ray's driver-side logging and cluster messages go to <log_dir>/ray.log, not the
 console, and everything is put back afterwards; a cluster it did not start is left running; a command never joins
-a leftover cluster that Ray's `ray_current_cluster` record names; SIGTERM leaves no process of its cluster behind."""
+a leftover cluster that Ray's `ray_current_cluster` record names. (SIGTERM to `mbd serve`, on a cluster of its own:
+test_serve_sigterm.)"""
 
 import inspect
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import psutil
-
-from actors.tp_worker import free_port
-from pipelines.process_tree import end_processes, still_running
 from pipelines.ray_private import HOOK, HOOK_PARAMS
 from pipelines.ray_session import RAY_LOG, ray_session
 
@@ -76,13 +71,6 @@ def test_a_listen_port_is_free_and_outside_what_ray_and_the_kernel_hand_out(monk
     assert module.listen_port() >= module.RAY_WORKER_PORTS.stop
 
 
-def _cmd(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline())
-    except psutil.Error:
-        return ""
-
-
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     return {**env, "PYTHONPATH": str(ROOT), **extra}
@@ -110,31 +98,3 @@ def test_a_leftover_cluster_record_is_never_joined(ray_cluster, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     started, address = out.stdout.split("STARTED ")[1].split()[:2]
     assert started == "True" and address != leftover
-
-
-def test_sigterm_to_mbd_serve_leaves_no_process_behind(ckpt, tmp_path):
-    """`mbd serve` on a local cluster of its own, stopped with SIGTERM: every process it started (Ray's agents
-    included) has ended when it has."""
-    cmd = [sys.executable, "-m", "pipelines.cli", "serve", "--config", str(ROOT / "configs/serve/tiny.yaml"),
-           "--model-path", str(ckpt), "--port", str(free_port())]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
-    started: dict[int, psutil.Process] = {}
-    try:
-        for line in proc.stdout:
-            if "Ctrl-C to stop" in line:
-                break
-        else:
-            raise AssertionError(f"mbd serve exited with {proc.wait()} before serving")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any("DashboardAgent" in _cmd(p) for p in started.values()):
-            started.update((p.pid, p) for p in psutil.Process(proc.pid).children(recursive=True))
-            time.sleep(1)
-        names = " ".join(_cmd(p) for p in started.values())
-        assert "raylet" in names and "DashboardAgent" in names and "RuntimeEnvAgent" in names
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=180)
-        time.sleep(2)
-        assert [_cmd(p)[:80] for p in still_running(list(started.values()))] == []
-    finally:
-        proc.kill()
-        end_processes(list(started.values()))
