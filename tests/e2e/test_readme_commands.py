@@ -90,10 +90,11 @@ def test_ci_runs_the_readme_test_command_and_the_quickstart_command_installs_ali
     quickstart, tests = setup_commands()
     assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == tests
     assert quickstart == tests.replace("-e '.[dev]'", "-e .").replace("python -m pytest -q", "mbd quickstart")
-    assert "pip install -q torch==2.13.0" in tests
-    # pip writes the .pyc files: with PYTHONDONTWRITEBYTECODE set Python never does, and every process would
-    # compile torch, ray and transformers from source again
-    assert "--no-compile" not in tests
+    assert "pip install -q torch==2.13.0 uv" in tests  # pip: the local CPU build where pip's config names one
+    # every uv install writes the .pyc files: with PYTHONDONTWRITEBYTECODE set Python never does, and every process
+    # would compile torch, ray and transformers from source again
+    uv_installs = [c for c in tests.split(" && ") if c.startswith("uv pip install")]
+    assert len(uv_installs) == 2 and all("--compile-bytecode" in c for c in uv_installs)
 
 
 def test_slow_tests_are_left_out_of_the_default_suite():
