@@ -49,7 +49,7 @@ def pytest_configure(config):
 def pytest_xdist_make_scheduler(config, log):
     """Two xdist workers (pyproject's addopts): every test on the session's Ray cluster (tests/e2e, tests/integration)
     is one work unit, run in collection order by one worker that owns the cluster, while the other worker takes the
-    unit tests and the modules with clusters of their own (OWN_CLUSTER_MODULES) a module at a time (a module's
+    unit tests and the Ray modules off the session's cluster (OFF_SESSION_CLUSTER) a module at a time (a module's
     fixtures built once). The Ray tests leave about a quarter of the two cores idle while processes start and
     requests wait; the unit tests, one thread each, fill it instead of running after them. (xdist's own `loadgroup`
     marks do nothing under pytest 9, whose test ids no longer take its suffix.)"""
@@ -62,20 +62,24 @@ def pytest_xdist_make_scheduler(config, log):
     return RayTestsTogether(config, log)
 
 
-# Ray test modules that never join the session's cluster: each test starts a multi-node cluster of its own (the
-# `multinode` fixture: its own ports and processes), so they run on the other worker beside the session cluster's
-# tests instead of after them (measured in CI on 2 quiet cores: pytest 1,197 -> 1,081 s). A test in one of them that
-# asks for the session's cluster is refused at collection: the other worker would start a second one.
-OWN_CLUSTER_MODULES = frozenset(f"tests/integration/{name}.py" for name in (
-    "test_multinode_expand", "test_multinode_train", "test_serve_node_loss", "test_serve_sigterm",
-    "test_sweep_multinode"))
+# Modules under tests/e2e and tests/integration that never use the session's cluster: their tests start clusters of
+# their own (the `multinode` fixture, or a command that starts one: its own ports and processes) or use no Ray at
+# all (the engine process's supervision and quarantine, the README's commands, the shipped checkpoint). They run on
+# the other worker, beside the session cluster's tests instead of after them (measured in CI on 2 quiet cores: the
+# multi-node modules, pytest 1,197 -> 1,081 s). A test in one of them that asks for the session's cluster is
+# refused at collection (the other worker would start a second one); tests/unit/test_suite_scheduling.py checks
+# that every module left in the "ray" unit asks for it.
+OFF_SESSION_CLUSTER = frozenset(f"tests/{name}.py" for name in (
+    "integration/test_multinode_expand", "integration/test_multinode_train", "integration/test_serve_node_loss",
+    "integration/test_serve_sigterm", "integration/test_sweep_multinode", "integration/test_serve_units",
+    "integration/test_serve_quarantine", "e2e/test_readme_commands", "e2e/test_tiny_checkpoint"))
 SESSION_CLUSTER_FIXTURES = frozenset({"ray_cluster", "serve_url"})
 
 
 def work_unit(nodeid: str) -> str:
     """The xdist work unit of a test: "ray" for every test on the session's cluster, else its module's path."""
     path = nodeid.split("::", 1)[0]
-    on_session_cluster = path.startswith(("tests/e2e/", "tests/integration/")) and path not in OWN_CLUSTER_MODULES
+    on_session_cluster = path.startswith(("tests/e2e/", "tests/integration/")) and path not in OFF_SESSION_CLUSTER
     return "ray" if on_session_cluster else path
 
 
@@ -84,7 +88,7 @@ def pytest_collection_modifyitems(config, items):
         asked = SESSION_CLUSTER_FIXTURES.intersection(item.fixturenames)
         if asked and work_unit(item.nodeid) != "ray":
             raise pytest.UsageError(f"{item.nodeid} asks for the session's Ray cluster ({', '.join(sorted(asked))}) "
-                                    "outside its xdist work unit: take its module out of OWN_CLUSTER_MODULES")
+                                    "outside its xdist work unit: take its module out of OFF_SESSION_CLUSTER")
 
 
 def tiny_cfg(family: str = "sdar", **kw):

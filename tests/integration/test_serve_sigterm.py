@@ -1,5 +1,5 @@
 """SIGTERM to `mbd serve` on a local cluster of its own leaves no process of that cluster behind. The command
-starts its cluster itself, so the module never joins the session's (conftest's OWN_CLUSTER_MODULES: it runs beside
+starts its cluster itself, so the module never joins the session's (conftest's OFF_SESSION_CLUSTER: it runs beside
 the session cluster's tests)."""
 
 import signal
