@@ -70,11 +70,23 @@ def _start_engine_process(start: Start) -> tuple[subprocess.Popen, Connection]:
     return proc, conn
 
 
+@ray.remote(max_restarts=0)
+class TPWorker:
+    """Rank r > 0 of a decoder replica, placed in bundle r of the replica's placement group. Defined here, not
+    beside the lockstep loop, so that the engine process (which imports actors.tp_worker) never imports Ray."""
+
+    def run(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, rank: int, addr: str, port: int) -> None:
+        """Blocks for the replica's lifetime; returns when rank 0 broadcasts stop, raises if the loop fails."""
+        from actors.tp_worker import follow_rank
+
+        follow_rank(spec, decode, engine, rank, addr, port)
+
+
 def _start_ranks(spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig
                  ) -> tuple[str, int, list[tuple[object, ray.ObjectRef]]]:
     """Ranks 1.. as TPWorker actors in the other bundles of the replica's placement group, and the rendezvous
     address they and rank 0 meet at. The one place this module loads torch (through actors.tp_worker)."""
-    from actors.tp_worker import TPWorker, free_port
+    from actors.tp_worker import free_port
 
     pg = ray.util.get_current_placement_group()
     if pg is None:

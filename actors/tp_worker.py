@@ -12,7 +12,6 @@ from __future__ import annotations
 import socket
 from datetime import timedelta
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -107,15 +106,12 @@ class Lockstep:
             self.step()
 
 
-@ray.remote(max_restarts=0)
-class TPWorker:
-    """Rank r > 0 of a decoder replica, placed in bundle r of the replica's placement group."""
-
-    def run(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, rank: int, addr: str, port: int) -> None:
-        """Blocks for the replica's lifetime; returns when rank 0 broadcasts stop, raises if the loop fails."""
-        tp, ctrl = init_tp(spec, engine, rank, addr, port)
-        try:
-            with torch.inference_mode():
-                Lockstep(build_engine(spec.resolved_path(), decode, engine, tp), tp.world, ctrl).follow()
-        finally:
-            dist.destroy_process_group()
+def follow_rank(spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, rank: int, addr: str, port: int) -> None:
+    """Rank r > 0 for the replica's lifetime (actors/launch.py's TPWorker): returns when rank 0 broadcasts stop,
+    raises if the loop fails."""
+    tp, ctrl = init_tp(spec, engine, rank, addr, port)
+    try:
+        with torch.inference_mode():
+            Lockstep(build_engine(spec.resolved_path(), decode, engine, tp), tp.world, ctrl).follow()
+    finally:
+        dist.destroy_process_group()

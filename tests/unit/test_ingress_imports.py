@@ -1,7 +1,7 @@
 """The HTTP ingress loads no torch and no engine: it reads the request types (actors/messages.py,
 mbd/decoding/validate.py, outputs.py, constraint_spec.py, model_spec.py), never the engine host. The decoder
-replica, the engine host, loads no torch either: only its engine process and TP ranks do (actors/launch.py).
-Checked in a fresh interpreter, where nothing was imported before."""
+replica, the engine host, loads no torch either: only its engine process and TP ranks do (actors/launch.py). The
+engine process loads no Ray (half a second of every engine start). Checked in a fresh interpreter, where nothing was imported before."""
 
 import json
 import subprocess
@@ -22,6 +22,10 @@ def test_module_imports_no_torch(module):
 @pytest.mark.parametrize("module", ["serve_app.app", "serve_app.decoder_replica", "actors.launch"])
 def test_the_replica_host_imports_no_torch(module):
     assert loaded(module, ("torch", "mbd.decoding.engine", "actors.engine_process", "actors.tp_worker")) == []
+
+
+def test_the_engine_process_imports_no_ray():
+    assert loaded("actors.engine_process", ("ray",)) == []
 
 
 def loaded(module: str, heavy: tuple[str, ...]) -> list[str]:
