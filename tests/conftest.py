@@ -35,9 +35,20 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 torch.set_num_threads(1)
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own tmp_path plugin has configured
 def pytest_configure(config):
     """Without kernel isolation (no bubblewrap), the scoring tests still run with the hook-only sandbox,
-    as a user would with --unsafe-code-exec; the escape tests skip and say why."""
+    as a user would with --unsafe-code-exec; the escape tests skip and say why.
+
+    Inductor's on-disk cache (/tmp/torchinductor_<user> by default) outlives a run: a second run on the same
+    machine would compile nothing and time a warm suite that a fresh CI machine never sees (measured: the compiled
+    forward's tests 196 s cold, 119 s warm). Each run compiles into a cache of its own in the run's temporary
+    directory (pytest keeps the last three), shared by both xdist workers and every process they start; set here,
+    before any test module imports inductor (which fixes the default on import)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        run = config._tmp_path_factory.getbasetemp()  # an xdist worker's is <run>/popen-gwN
+        run = run.parent if "PYTEST_XDIST_WORKER" in os.environ else run
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(run / "inductor")
     from mbd.eval.isolation import UNSAFE_ENV, isolation_available
 
     if not isolation_available():
@@ -52,13 +63,17 @@ def pytest_xdist_make_scheduler(config, log):
     unit tests and the Ray modules off the session's cluster (OFF_SESSION_CLUSTER) a module at a time (a module's
     fixtures built once). The Ray tests leave about a quarter of the two cores idle while processes start and
     requests wait; the unit tests, one thread each, fill it instead of running after them. (xdist's own `loadgroup`
-    marks do nothing under pytest 9, whose test ids no longer take its suffix.)"""
+    marks do nothing under pytest 9, whose test ids no longer take its suffix.)
+
+    Work units are handed out in collection order (`collection_order`), not xdist's default order by number of
+    tests, which put the one-test multi-node modules, the longest units after the Ray unit, at the very end."""
     from xdist.scheduler import LoadScopeScheduling
 
     class RayTestsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
+    config.option.loadscopereorder = False
     return RayTestsTogether(config, log)
 
 
@@ -83,7 +98,25 @@ def work_unit(nodeid: str) -> str:
     return "ray" if on_session_cluster else path
 
 
+# Work units that took 30 s or more in CI (2 quiet cores, cold compile cache), longest first: they start right after
+# the Ray unit, so the suite never ends waiting on one of them while the other worker is idle.
+LONG_UNITS = tuple(f"tests/{name}.py" for name in (
+    "integration/test_multinode_train", "unit/test_compiled_forward", "integration/test_serve_node_loss",
+    "integration/test_serve_sigterm", "integration/test_serve_units", "integration/test_sweep_multinode",
+    "integration/test_multinode_expand", "unit/test_gpu_acceptance_quick", "integration/test_serve_quarantine"))
+
+
+def collection_order(nodeid: str) -> int:
+    """The rank of a test's work unit in the order the units are handed out: the Ray unit, LONG_UNITS in their
+    order, then everything else (a stable sort keeps the order within each)."""
+    unit = work_unit(nodeid)
+    if unit == "ray":
+        return 0
+    return 1 + LONG_UNITS.index(unit) if unit in LONG_UNITS else 1 + len(LONG_UNITS)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: collection_order(item.nodeid))
     for item in items:
         asked = SESSION_CLUSTER_FIXTURES.intersection(item.fixturenames)
         if asked and work_unit(item.nodeid) != "ray":

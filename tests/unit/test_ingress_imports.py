@@ -1,7 +1,8 @@
 """The HTTP ingress loads no torch and no engine: it reads the request types (actors/messages.py,
 mbd/decoding/validate.py, outputs.py, constraint_spec.py, model_spec.py), never the engine host. The decoder
 replica, the engine host, loads no torch either: only its engine process and TP ranks do (actors/launch.py). The
-engine process loads no Ray (half a second of every engine start). Checked in a fresh interpreter, where nothing was imported before."""
+engine process loads no Ray (half a second of every engine start). Checked in a fresh interpreter, where nothing
+was imported before."""
 
 import json
 import subprocess

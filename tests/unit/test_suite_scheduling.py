@@ -1,7 +1,8 @@
 """The suite's xdist scheduling (tests/conftest.py): every test on the session's Ray cluster in one work unit (one
-worker, one cluster, collection order); each unit module, and each Ray module off the session's cluster (clusters of
-its own, or no Ray), a work unit of its own. xdist's `loadgroup` marks were tried first and silently did nothing under pytest 9:
-this checks the scopes the scheduler actually uses."""
+worker, one cluster, collection order); each unit module, and each Ray module off the session's cluster (clusters
+of its own, or no Ray), a work unit of its own; the Ray unit handed out first, then the long ones. xdist's
+`loadgroup` marks were tried first and silently did nothing under pytest 9: this checks the scopes the scheduler
+actually uses."""
 
 import os
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import OFF_SESSION_CLUSTER, SESSION_CLUSTER_FIXTURES, work_unit
+from tests.conftest import LONG_UNITS, OFF_SESSION_CLUSTER, SESSION_CLUSTER_FIXTURES, collection_order, work_unit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,6 +32,13 @@ IDS = {
 
 def test_ray_tests_are_one_work_unit_and_each_unit_module_its_own():
     assert {nodeid: work_unit(nodeid) for nodeid in IDS} == IDS
+
+
+def test_units_are_handed_out_ray_first_then_the_long_ones_longest_first():
+    ids = ["tests/unit/test_plan.py::test_a", "tests/integration/test_serve_sigterm.py::test_b",
+           "tests/integration/test_serve_app.py::test_c", "tests/integration/test_multinode_train.py::test_d",
+           "tests/e2e/test_quickstart.py::test_e"]
+    assert sorted(ids, key=collection_order) == [ids[2], ids[4], ids[3], ids[1], ids[0]]
 
 
 def test_a_module_with_its_own_clusters_never_asks_for_the_session_cluster():
@@ -70,5 +78,5 @@ def test_every_module_in_the_ray_unit_uses_the_session_cluster(tmp_path):
             nodeid, *fixtures = line.split()[1:]
             module = nodeid.split("::", 1)[0]
             uses[module] = uses.get(module, False) or bool(SESSION_CLUSTER_FIXTURES.intersection(fixtures))
-    assert OFF_SESSION_CLUSTER <= set(uses)
+    assert OFF_SESSION_CLUSTER <= set(uses) and all((ROOT / m).is_file() for m in LONG_UNITS)
     assert sorted(m for m, used in uses.items() if work_unit(f"{m}::t") == "ray" and not used) == []
