@@ -81,9 +81,9 @@ def pytest_xdist_make_scheduler(config, log):
 # their own (the `multinode` fixture, or a command that starts one: its own ports and processes) or use no Ray at
 # all (the engine process's supervision and quarantine, the README's commands, the shipped checkpoint). They run on
 # the other worker, beside the session cluster's tests instead of after them (measured in CI on 2 quiet cores: the
-# multi-node modules, pytest 1,197 -> 1,081 s). A test in one of them that asks for the session's cluster is
-# refused at collection (the other worker would start a second one); tests/unit/test_suite_scheduling.py checks
-# that every module left in the "ray" unit asks for it.
+# multi-node modules, pytest 1,197 -> 1,081 s; the no-Ray ones, 124 s of the Ray unit's 882 s). A test in one of
+# them that asks for the session's cluster is refused at collection (the other worker would start a second one);
+# tests/unit/test_suite_scheduling.py checks that every module left in the "ray" unit asks for it.
 OFF_SESSION_CLUSTER = frozenset(f"tests/{name}.py" for name in (
     "integration/test_multinode_expand", "integration/test_multinode_train", "integration/test_serve_node_loss",
     "integration/test_serve_sigterm", "integration/test_sweep_multinode", "integration/test_serve_units",
