@@ -43,12 +43,11 @@ def pytest_configure(config):
     Inductor's on-disk cache (/tmp/torchinductor_<user> by default) outlives a run: a second run on the same
     machine would compile nothing and time a warm suite that a fresh CI machine never sees (measured: the compiled
     forward's tests 196 s cold, 119 s warm). Each run compiles into a cache of its own in the run's temporary
-    directory (pytest keeps the last three), shared by both xdist workers and every process they start; set here,
-    before any test module imports inductor (which fixes the default on import)."""
+    directory (pytest keeps the last three); set here, before any test module imports inductor (which fixes the
+    default on import). Under xdist the controller sets it before it starts the workers, which inherit it with every
+    process they start."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        run = config._tmp_path_factory.getbasetemp()  # an xdist worker's is <run>/popen-gwN
-        run = run.parent if "PYTEST_XDIST_WORKER" in os.environ else run
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(run / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(config._tmp_path_factory.getbasetemp() / "inductor")
     from mbd.eval.isolation import UNSAFE_ENV, isolation_available
 
     if not isolation_available():
