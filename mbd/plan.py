@@ -92,12 +92,10 @@ def elem(dtype: torch.dtype) -> int:
 
 @functools.cache
 def _meta_counts(cfg_json: str, tp_world: int) -> tuple[int, int]:
-    from mbd.model.checkpoint import FAMILIES
+    from mbd.model.checkpoint import skeleton
     from mbd.model.tp import TPGroup
 
-    cfg = ModelConfig.model_validate_json(cfg_json)
-    with torch.device("meta"):
-        model = FAMILIES[cfg.family](cfg, TPGroup(0, tp_world))
+    model = skeleton(ModelConfig.model_validate_json(cfg_json), TPGroup(0, tp_world))
     params = sum(p.numel() for p in model.parameters())  # a tied head is one parameter, counted once
     buffers = sum(b.numel() for b in model.buffers())
     return params, buffers

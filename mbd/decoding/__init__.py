@@ -3,7 +3,7 @@ SingleBD / naive dynamic MultiBD references that share its decision policy.
 
 The names below load on first use (PEP 562): importing a request type of this package (`validate`,
 `outputs`, `constraint_spec`, `model_spec`) must not load torch and the engine, because the HTTP ingress reads
-them (tests/unit/test_ingress_imports.py)."""
+them (tests/unit/test_fresh_imports.py)."""
 
 import importlib
 

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from mbd.checkpoint_files import TEMPLATE_FILE, read_model_config
 from mbd.config import ConfigError, ModelConfig, read_json
@@ -50,6 +51,25 @@ class Sharded(Protocol):
     """A tensor-parallel module that cuts the full tensor of its parameter `name` to this rank's part."""
 
     def shard_(self, name: str, full: torch.Tensor) -> torch.Tensor: ...
+
+
+class _SkipInit(TorchFunctionMode):
+    """Parameter initialisers become no-ops: a meta tensor has no values to fill, and `normal_` on the meta device
+    runs a Python reference that imports torch._dynamo on first use (1.5-3 s of every engine and training process
+    that loads a checkpoint, none of which compiles on CPU)."""
+
+    FILLS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.FILLS or getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]  # nn.init passes its tensor by name
+        return func(*args, **(kwargs or {}))
+
+
+def skeleton(cfg: ModelConfig, tp: TPGroup = SINGLE) -> nn.Module:
+    """The config's model on the meta device, uninitialised: its parameters' names, shapes and dtypes only."""
+    with torch.device("meta"), _SkipInit():
+        return FAMILIES[cfg.family](cfg, tp)
 
 
 def build_model(cfg: ModelConfig, tp: TPGroup = SINGLE, seed: int | None = 0) -> nn.Module:
@@ -111,8 +131,7 @@ def load_checkpoint(path: str | Path, tp: TPGroup = SINGLE, dtype: torch.dtype =
     except ConfigError as e:
         raise CheckpointError(f"{d}: {e}") from e
     files = _canonical_files(d)
-    with torch.device("meta"):
-        model = FAMILIES[cfg.family](cfg, tp)
+    model = skeleton(cfg, tp)
     modules = dict(model.named_modules())
     expected = dict(model.state_dict(keep_vars=True))
     buffers = {name for name, _ in model.named_buffers()}

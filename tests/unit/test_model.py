@@ -77,6 +77,16 @@ def test_checkpoint_round_trip(tmp_path, family):
         torch.testing.assert_close(full_logits(loaded, ids, 4), full_logits(model, ids, 4), atol=0, rtol=0)
 
 
+def test_the_skeleton_has_the_built_models_parameters(family):
+    """The loader's meta-device skeleton (initialisers skipped) names, shapes and types what a built model holds."""
+    from mbd.model.checkpoint import skeleton
+
+    cfg = tiny_cfg(family)
+    meta = {k: (v.shape, v.dtype, v.device.type) for k, v in skeleton(cfg).state_dict().items()}
+    built = {k: (v.shape, v.dtype, "meta") for k, v in build_model(cfg).state_dict().items()}
+    assert meta == built
+
+
 def test_llada2_accepts_e_score_correction_bias(tmp_path):
     cfg = tiny_cfg("llada2_moe")
     model = build_model(cfg, seed=1).eval()
