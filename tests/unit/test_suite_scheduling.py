@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 IDS = {
     "tests/e2e/test_quickstart.py::test_table_has_the_four_methods_with_finite_numbers": "ray",
     "tests/integration/test_serve_app.py::test_killed_replica_is_replaced": "ray",
-    "tests/integration/test_train_multitf.py::test_zero_run_matches_single_process_and_exports[3]": "ray",
+    "tests/integration/test_train_multitf.py::test_zero_run_matches_single_process_and_exports[3-llada2_moe]": "ray",
     "tests/integration/test_multinode_train.py::test_training_on_two_nodes_survives_losing_one":
         "tests/integration/test_multinode_train.py",
     "tests/integration/test_serve_units.py::test_engine_process_ends_with_its_replica":
