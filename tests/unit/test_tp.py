@@ -24,25 +24,44 @@ def _forward(model, cfg, ids):
     return full, torch.cat(parts, 1)
 
 
-def _worker(rank, world, port, ckpt, ids, out):
+CASES = [(family, tied) for family in ("sdar", "llada2_moe") for tied in (False, True)]
+
+
+def _worker(rank, world, port, root, out):
+    """Every case's checkpoint as this rank's shard: one pair of processes for all cases (a spawn costs seconds)."""
     with gloo_group(rank, world, port):
-        model, cfg = load_checkpoint(ckpt, tp=TPGroup(rank, world))
-        with torch.no_grad():
-            full, cached = _forward(model, cfg, ids)
+        got = {}
+        for family, tied in CASES:
+            case = f"{family}-{tied}"
+            model, cfg = load_checkpoint(f"{root}/{case}", tp=TPGroup(rank, world))
+            with torch.no_grad():
+                got[case] = dict(zip(("full", "cached"), _forward(model, cfg, torch.load(f"{root}/{case}/ids.pt"))))
         if rank == 0:
-            torch.save({"full": full, "cached": cached}, out)
+            torch.save(got, out)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_tp2_equals_tp1(tmp_path, family, tied):
-    cfg = tiny_cfg(family, tie_word_embeddings=tied)
-    save_checkpoint(build_model(cfg, seed=7), cfg, tmp_path / "ck")
-    model, _ = load_checkpoint(tmp_path / "ck")
-    ids = torch.randint(0, 60, (2, 12))
-    with torch.no_grad():
-        want_full, want_cached = _forward(model, cfg, ids)
-    out = tmp_path / "out.pt"
-    mp.start_processes(_worker, args=(2, free_port(), str(tmp_path / "ck"), ids, str(out)), nprocs=2, start_method="spawn")
-    got = torch.load(out, weights_only=True)
-    torch.testing.assert_close(got["full"], want_full, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got["cached"], want_cached, atol=1e-5, rtol=1e-4)
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    """case -> (TP=1 outputs, TP=2 outputs) of each family, with and without a tied head."""
+    root = tmp_path_factory.mktemp("tp")
+    want = {}
+    for family, tied in CASES:
+        case = f"{family}-{tied}"
+        cfg = tiny_cfg(family, tie_word_embeddings=tied)
+        save_checkpoint(build_model(cfg, seed=7), cfg, root / case)
+        model, _ = load_checkpoint(root / case)
+        ids = torch.randint(0, 60, (2, 12))
+        torch.save(ids, root / case / "ids.pt")
+        with torch.no_grad():
+            want[case] = dict(zip(("full", "cached"), _forward(model, cfg, ids)))
+    mp.start_processes(_worker, args=(2, free_port(), str(root), str(root / "out.pt")), nprocs=2,
+                       start_method="spawn")
+    got = torch.load(root / "out.pt", weights_only=True)
+    return {case: (want[case], got[case]) for case in want}
+
+
+@pytest.mark.parametrize("family,tied", CASES)
+def test_tp2_equals_tp1(tp2, family, tied):
+    want, got = tp2[f"{family}-{tied}"]
+    torch.testing.assert_close(got["full"], want["full"], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got["cached"], want["cached"], atol=1e-5, rtol=1e-4)
