@@ -55,7 +55,7 @@ class Sharded(Protocol):
 
 class _SkipInit(TorchFunctionMode):
     """Parameter initialisers become no-ops: a meta tensor has no values to fill, and `normal_` on the meta device
-    runs a Python reference that imports torch._dynamo on first use (1.5-3 s of every engine and training process
+    runs a Python reference that imports torch._dynamo on first use (1.5-3 s of every engine and evaluation process
     that loads a checkpoint, none of which compiles on CPU)."""
 
     FILLS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_})
