@@ -34,8 +34,9 @@ def _worker(rank, world, port, root, out):
         for family, tied in CASES:
             case = f"{family}-{tied}"
             model, cfg = load_checkpoint(f"{root}/{case}", tp=TPGroup(rank, world))
+            ids = torch.load(f"{root}/{case}/ids.pt", weights_only=True)
             with torch.no_grad():
-                got[case] = dict(zip(("full", "cached"), _forward(model, cfg, torch.load(f"{root}/{case}/ids.pt"))))
+                got[case] = dict(zip(("full", "cached"), _forward(model, cfg, ids)))
         if rank == 0:
             torch.save(got, out)
 
