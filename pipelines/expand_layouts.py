@@ -56,6 +56,7 @@ from mbd.multitf.corrupt import ROW_SCHEMA
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
 from mbd.multitf.rows import LayoutSection, TokenizedSequence, sequence_rows
 from mbd.multitf.schedulers import SchedulerConfig, SchedulerName, build_scheduler
+from pipelines.parquet import read_parquet
 from pipelines.ray_session import init_ray, ray_cluster
 
 __all__ = ["run_expand", "ExpandConfig", "ExpandSummary", "main"]  # what other pipelines may use
@@ -215,7 +216,7 @@ def read_records(inputs: Sequence[str]) -> ray.data.Dataset:
         raw = ray.data.read_binary_files(jsonl, include_paths=True)
         parts.append(raw.map_batches(split_jsonl, batch_format="pyarrow", batch_size=1))
     if parquet:
-        parts.append(ray.data.read_parquet(parquet, include_paths=True)
+        parts.append(read_parquet(parquet, include_paths=True)
                      .map_batches(parquet_to_records, batch_format="pyarrow"))
     return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
 

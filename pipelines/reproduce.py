@@ -152,7 +152,7 @@ def variant_expand(cfg: QuickstartConfig, name: str) -> ExpandSection:
 
 def expand_variant(cfg: QuickstartConfig, run: Path, base: Path, r: Run) -> str:
     """Rows of one run (skipped when its expand.json exists); returns the rows directory."""
-    import ray
+    from pipelines.parquet import read_parquet
 
     v, out = VARIANTS[r.variant], run / "variants" / r.key / "layouts"
     done = out / "expand.json"
@@ -165,7 +165,7 @@ def expand_variant(cfg: QuickstartConfig, run: Path, base: Path, r: Run) -> str:
     rows_dir = summary.rows_dir
     if v.layouts == "random":
         rows_dir = str(out / "rows")
-        ray.data.read_parquet(summary.rows_dir).map_batches(keep_random_layouts, batch_format="pyarrow") \
+        read_parquet(summary.rows_dir).map_batches(keep_random_layouts, batch_format="pyarrow") \
             .write_parquet(rows_dir)
         print(f"    kept the {expand.n_rand} random layouts per sequence -> {rows_dir}")
     done.write_text(json.dumps({"rows_dir": rows_dir, **summary.model_dump()}, indent=2))

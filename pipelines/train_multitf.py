@@ -64,6 +64,7 @@ from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
 from mbd.multitf.rows import TokenizedSequence, redraw_columns
 from mbd.plan_check import check_train
 from mbd.train_config import TrainConfig
+from pipelines.parquet import read_parquet
 from pipelines.ray_session import init_ray, ray_session
 from pipelines.train_progress import Progress, follow, one_time_note
 
@@ -329,7 +330,7 @@ def prepare_data(cfg: TrainConfig, mcfg: ModelConfig) -> tuple[dict, Any, list[d
     if cfg.data.parquet is not None:
         if not Path(cfg.data.parquet).exists() and "://" not in cfg.data.parquet:
             raise ConfigError(f"data.parquet: {cfg.data.parquet} does not exist (run `mbd expand` first)")
-        ds = ray.data.read_parquet(cfg.data.parquet)
+        ds = read_parquet(cfg.data.parquet)
         probe = ds.take(n)
         return {"train": ds}, None, rows_to_columns(probe), {}
     if not Path(cfg.data.jsonl).is_file():

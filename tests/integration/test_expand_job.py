@@ -160,6 +160,23 @@ def test_rerun_is_identical_and_new_epoch_changes_noise(first_run, corpus):
     assert sum(x["noisy_ids"] != z["noisy_ids"] for x, z in zip(a, c)) > len(a) // 2
 
 
+def test_the_pipelines_read_parquet_through_ray_datas_v1_reader(first_run, corpus):
+    """pipelines.parquet: the rows come back whole through `ReadParquet` (V2 plans `ListFiles` and a pool of
+    footer-reading actors at every execution), and the session's DataContext keeps its own choice."""
+    import ray
+
+    from pipelines.parquet import read_parquet
+
+    root, _ = corpus
+    ctx = ray.data.DataContext.get_current()
+    before = ctx.use_datasource_v2
+    ds = read_parquet(str(root / "out_a" / "rows")).materialize()
+    assert ctx.use_datasource_v2 == before
+    stats = ds.stats()
+    assert "ReadParquet" in stats and "ListFiles" not in stats
+    assert ds.count() == read_rows(root / "out_a" / "rows")[0].num_rows == first_run.rows_out
+
+
 def test_cli_flags_override_yaml(tmp_path):
     cfg_file = tmp_path / "x.yaml"
     cfg_file.write_text("inputs: [a.jsonl]\noutput_dir: out\nmodel_dir: m\ngmax: 4\n"
