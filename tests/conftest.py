@@ -30,6 +30,12 @@ ast.parse = _serialised_parse
 # 2-step runs each way: 0.5 s took 3-7 s off a run (most of it between the loop's end and `run_train` returning).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
+# Inductor checks which vector ISAs the C++ compiler can build by compiling and dlopen-ing a probe program per ISA
+# (AVX512-VNNI, AVX512, AVX2) in every process that compiles: ~11 s of CPU in the first such process of a run (the
+# probes' compiles) and ~2 s in each later one (a Python child per ISA for the dlopen). The suite takes the CPU's
+# flags as the answer instead, as inductor does in fbcode: the sdar warm-up test alone, 55 -> 42 s on 2 cores.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
 # One intra-op thread: on a shared 2-core machine every parallel region otherwise waits for a scheduler tick
 # (measured: the decoding tests ran 45x slower with 2 threads under load).
 torch.set_num_threads(1)
