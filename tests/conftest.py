@@ -2,6 +2,7 @@ import ast
 import functools
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,9 @@ def _serialised_parse(*args, **kwargs):
 
 
 ast.parse = _serialised_parse
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 
 # Ray Train's controller polls its worker group every 2 s (its default), so the end of each run and each failure
 # wait up to 2 s more before the controller acts; the runs here last half a minute. Measured on 2 quiet cores, two
@@ -120,13 +124,33 @@ def collection_order(nodeid: str) -> int:
     return 1 + LONG_UNITS.index(unit) if unit in LONG_UNITS else 1 + len(LONG_UNITS)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: collection_order(item.nodeid))
+    check_work_units(items)
+
+
+def check_work_units(items) -> None:
+    """The collection guard, before `-m 'not slow'` deselects (this hook runs ahead of pytest's own): a test outside
+    the "ray" work unit that asks for the session's cluster is refused (the other worker would start a second
+    one). When every module under tests/e2e and tests/integration is collected (the whole suite), so is a module in
+    the "ray" unit none of whose tests asks for it (it only lengthens the suite's longest unit: list it in
+    OFF_SESSION_CLUSTER), and a name in OFF_SESSION_CLUSTER that is no module."""
+    uses: dict[str, bool] = {}
     for item in items:
         asked = SESSION_CLUSTER_FIXTURES.intersection(item.fixturenames)
         if asked and work_unit(item.nodeid) != "ray":
             raise pytest.UsageError(f"{item.nodeid} asks for the session's Ray cluster ({', '.join(sorted(asked))}) "
                                     "outside its xdist work unit: take its module out of OFF_SESSION_CLUSTER")
+        module = item.nodeid.split("::", 1)[0]
+        uses[module] = uses.get(module, False) or bool(asked)
+    on_disk = {p.relative_to(ROOT).as_posix() for d in ("e2e", "integration") for p in (TESTS / d).glob("test_*.py")}
+    if not on_disk <= set(uses):
+        return
+    idle = sorted(m for m in on_disk if work_unit(m) == "ray" and not uses[m])
+    if idle or not OFF_SESSION_CLUSTER <= on_disk:
+        raise pytest.UsageError(f"modules in the session cluster's work unit that never use it: {idle}; "
+                                f"OFF_SESSION_CLUSTER names that are no module: {sorted(OFF_SESSION_CLUSTER - on_disk)}")
 
 
 def tiny_cfg(family: str = "sdar", **kw):

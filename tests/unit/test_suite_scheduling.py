@@ -4,14 +4,12 @@ of its own, or no Ray), a work unit of its own; the Ray unit handed out first, t
 `loadgroup` marks were tried first and silently did nothing under pytest 9: this checks the scopes the scheduler
 actually uses."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import LONG_UNITS, OFF_SESSION_CLUSTER, SESSION_CLUSTER_FIXTURES, collection_order, work_unit
+from tests.conftest import (LONG_UNITS, OFF_SESSION_CLUSTER, check_work_units, collection_order,
+                            pytest_collection_modifyitems, work_unit)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,14 +39,13 @@ def test_units_are_handed_out_ray_first_then_the_long_ones_longest_first():
     assert sorted(ids, key=collection_order) == [ids[2], ids[4], ids[3], ids[1], ids[0]]
 
 
+class Item:
+    def __init__(self, nodeid, fixturenames):
+        self.nodeid, self.fixturenames = nodeid, fixturenames
+
+
 def test_a_module_with_its_own_clusters_never_asks_for_the_session_cluster():
     """The collection guard: a test outside the "ray" work unit that asks for the session's cluster is refused."""
-    from tests.conftest import pytest_collection_modifyitems
-
-    class Item:
-        def __init__(self, nodeid, fixturenames):
-            self.nodeid, self.fixturenames = nodeid, fixturenames
-
     module = sorted(OFF_SESSION_CLUSTER)[0]
     pytest_collection_modifyitems(None, [Item(f"{module}::test_x", ["multinode", "tmp_path"]),
                                          Item("tests/integration/test_serve_app.py::test_y", ["serve_url"])])
@@ -56,27 +53,30 @@ def test_a_module_with_its_own_clusters_never_asks_for_the_session_cluster():
         pytest_collection_modifyitems(None, [Item(f"{module}::test_x", ["multinode", "ray_cluster"])])
 
 
-FIXTURES_OF_EACH_TEST = """
-def pytest_collection_modifyitems(items):
-    for item in items:
-        print("FIXTURES", item.nodeid, *item.fixturenames)
-"""
+def test_a_module_in_the_ray_unit_that_never_uses_the_session_cluster_is_refused():
+    """The other direction, on a whole collection (the modules on disk): a module on the session cluster's worker
+    whose tests never use that cluster only lengthens the suite's longest work unit; a partial collection (a few
+    modules run by hand) is not judged."""
+    modules = sorted(p.relative_to(ROOT).as_posix() for d in ("e2e", "integration")
+                     for p in (ROOT / "tests" / d).glob("test_*.py"))
+    idle = next(m for m in modules if work_unit(m) == "ray")
+
+    def collection(idle_module=None):
+        return [Item(f"{m}::test_x", ["tmp_path"] if m in OFF_SESSION_CLUSTER or m == idle_module else ["ray_cluster"])
+                for m in modules]
+
+    check_work_units(collection())
+    with pytest.raises(pytest.UsageError, match=idle):
+        check_work_units(collection(idle))
+    other = next(m for m in modules if m != idle)
+    check_work_units([i for i in collection(idle) if not i.nodeid.startswith(other)])
+    assert OFF_SESSION_CLUSTER <= set(modules) and all((ROOT / m).is_file() for m in LONG_UNITS)
 
 
-def test_every_module_in_the_ray_unit_uses_the_session_cluster(tmp_path):
-    """The other direction, over the whole collection (slow tests included): a module on the session cluster's
-    worker whose tests never use that cluster only lengthens the suite's longest work unit; each must be listed
-    in OFF_SESSION_CLUSTER, and each listed one must exist."""
-    (tmp_path / "fixtures_of_each_test.py").write_text(FIXTURES_OF_EACH_TEST)
-    out = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:xdist", "-p", "fixtures_of_each_test",
-                          "-o", "addopts=", "tests/e2e", "tests/integration"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path)})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    uses: dict[str, bool] = {}
-    for line in out.stdout.splitlines():
-        if line.startswith("FIXTURES "):
-            nodeid, *fixtures = line.split()[1:]
-            module = nodeid.split("::", 1)[0]
-            uses[module] = uses.get(module, False) or bool(SESSION_CLUSTER_FIXTURES.intersection(fixtures))
-    assert OFF_SESSION_CLUSTER <= set(uses) and all((ROOT / m).is_file() for m in LONG_UNITS)
-    assert sorted(m for m, used in uses.items() if work_unit(f"{m}::t") == "ray" and not used) == []
+def test_the_guard_judges_the_slow_tests_too(pytestconfig):
+    """The guard runs before pytest deselects `-m 'not slow'`: its hook is `tryfirst`, pytest's deselecting hooks
+    (its mark and main plugins) are not, so it sees the whole collection."""
+    impls = {i.plugin_name: i for i in pytestconfig.pluginmanager.hook.pytest_collection_modifyitems.get_hookimpls()}
+    ours = impls[str(ROOT / "tests" / "conftest.py")]
+    assert ours.tryfirst
+    assert not impls["mark"].tryfirst and not impls["main"].tryfirst
