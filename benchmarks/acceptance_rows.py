@@ -40,8 +40,10 @@ class Sizes:
     compare_families: tuple[str, ...] = ("sdar", "llada2")  # the CPU test suite compiles both families already
     warmup_shape: str = "sdar-8b"
     warmup_block: int = 32
-    warmup_buckets: tuple[int, ...] = (1, 16)  # the ends of configs/serve/sdar-8b-tp2.yaml's (1, 2, 4, 8, 16, 32)
-    warmup_n_buf: int = 2  # 4 of that config's 24 layer shapes: the per-shape cost fits the short run
+    # configs/serve/sdar-8b-tp2.yaml's shapes (48 graphs over 24 (rows, slots) pairs): with automatic dynamic shapes
+    # they compile into ~6 layer graphs (tiny SDAR on CPU: 6 in 72 s; static shapes compiled 24 in 229 s)
+    warmup_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    warmup_n_buf: int = 4
     hf_model: str = "0.5b"
     problems: int = 1000
     train_model: str = "0.5b"

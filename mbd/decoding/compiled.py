@@ -4,13 +4,17 @@ gpt-fast says it in one line, `torch.compile(model, mode="reduce-overhead", full
 is `decode_mode(engine, device)` to choose, then `CompiledForward(forward, ...).run(shape)`, where `forward` is the
 runner's eager paged (flex) forward taking the function that calls each decoder layer. What it decides, and why:
 - What is compiled: one decoder layer (`mbd.model.base.call_layer`), not the model, `fullgraph` (a graph break
-  would split the fused kernels: it fails loudly instead), static shapes; the paged FlexAttention inside it is
-  lowered with it to inductor's fused kernel. Every layer of a family has the same code and shapes, so one graph
-  per (layer kind, shape) serves them all: compile time does not grow with depth, and the eager loop around the
-  layers costs nothing once the step is a CUDA Graph.
+  would split the fused kernels: it fails loudly instead); the paged FlexAttention inside it is lowered with it to
+  inductor's fused kernel. Every layer of a family has the same code and shapes, so one graph serves them all:
+  compile time does not grow with depth, and the eager loop around the layers costs nothing once the step is a
+  CUDA Graph.
 - Shapes: (batch rows, slots, logits window slots), the window all slots or none (`window`): a step is one of
-  `decode_shapes(buckets, N_buf)` and layers compile once per (rows, slots). The sdpa path's key span would be a
-  shape of its own, so only the flex path is compiled (`EngineConfig` refuses the rest).
+  `decode_shapes(buckets, N_buf)`, each captured as a graph of its own. The layers compile with Dynamo's automatic
+  dynamic shapes: the first shape static, then a dimension that differs in a later shape (batch rows, query
+  positions) becomes symbolic, so a serve config's 24 (rows, slots) pairs compile into a few graphs per layer kind
+  instead of 24 (as vLLM compiles one graph over a symbolic token count and captures a CUDA Graph per size). Weights,
+  the page pool and the hidden size stay static. The sdpa path's key span would be a shape of its own, so only the
+  flex path is compiled (`EngineConfig` refuses the rest).
 - When: every shape at start-up (`warmup`), so no request waits for a compile or a capture; a shape first met
   later is prepared the same way on first use.
 - Dynamo's limits: its default of 8 compilations per function would send later shapes back to eager silently;
@@ -78,7 +82,7 @@ def decode_mode(engine: EngineConfig, device: torch.device) -> DecodeMode:
 def decode_shapes(buckets: Sequence[int], n_buf: int) -> list[Shape]:
     """Every (batch rows, slots, logits window) a compiled / graph-captured decode forward runs: each bucket, any
     resident slot count, and a window of all slots or none (a forward that only stores). SDAR-8B's serve config
-    (6 buckets, N_buf 4): 48 graphs; layers compile once per (rows, slots): 24."""
+    (6 buckets, N_buf 4): 48 CUDA Graphs over 24 (rows, slots) pairs of layer inputs."""
     return [(b, s, a) for b in buckets for s in range(1, n_buf + 1) for a in (0, s)]
 
 
@@ -86,8 +90,8 @@ def decode_shapes(buckets: Sequence[int], n_buf: int) -> list[Shape]:
 def compiled_layer(mode: str) -> LayerCall:
     """`call_layer` compiled with that torch.compile mode, one per process: Dynamo keeps its graphs on the
     function's code, so every engine of the process shares them (a second engine of the same model and shapes
-    compiles nothing)."""
-    return torch.compile(call_layer, fullgraph=True, dynamic=False, mode=None if mode == "default" else mode)
+    compiles nothing). dynamic=None: automatic dynamic shapes (the module's docstring)."""
+    return torch.compile(call_layer, fullgraph=True, dynamic=None, mode=None if mode == "default" else mode)
 
 
 @contextlib.contextmanager

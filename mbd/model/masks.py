@@ -56,6 +56,11 @@ class PagedDecodeMask:
         self.full_idx, self.part_idx = torch.zeros(rows, 1, 1, cols, **i32), torch.zeros(rows, 1, 1, cols, **i32)
         self._columns = torch.arange(table_width, device=device)
         self._masks: dict[tuple[int, int], object] = {}
+        # what the mask_mod reads keeps the engine's sizes in a compiled layer (a layer compiled for another engine's
+        # sizes recompiles instead of going symbolic): inductor's CPU flex template cannot compile a mask_mod that
+        # indexes a tensor of symbolic size (torch 2.13), and these are constants of the engine anyway
+        for t in (self.q_pos, self.visible, self.logical):
+            torch._dynamo.mark_static(t)
 
     def update(self, lengths: torch.Tensor, resident: torch.Tensor, page_table: torch.Tensor) -> None:
         """Rewrite every row's tensors from its committed length, resident slot count and page table (all
