@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"CPU, 1 torch thread, thread-CPU clock; random SDAR '{args.size}', B={B}, batch 1, 2 requests x "
           f"{args.new} new tokens, tau_m2t {args.tau}, {args.repeats} ABBA repeats, bare forwards x {args.reps}\n")
-    print("| slots, logits window | N_buf 1 steps | N_buf 2 steps | bare forward ms | N_buf 1 step ms | N_buf 2 step ms "
-          "| step / bare (1, 2) |\n|---|---|---|---|---|---|---|")
+    print("| slots, logits window | N_buf 1 steps | N_buf 2 steps | bare forward ms | N_buf 1 step ms "
+          "| N_buf 2 step ms | step / bare (1, 2) |\n|---|---|---|---|---|---|---|")
     for s in shapes:
         cells = []
         for n in (1, 2):

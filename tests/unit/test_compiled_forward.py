@@ -1,15 +1,16 @@
 """The compiled decode forward on CPU (inductor's C++ backend, float32): one decoder layer of each family compiles
 `fullgraph` (a graph break fails) at most once per (layer kind, batch rows, slots), fewer once Dynamo's automatic
-dynamic shapes make rows and query positions symbolic, all at the engine's warm-up and never again while it decodes; and every engine suite gives the tokens of eager decoding with it: the
-Block Buffer against the naive MultiBD and SingleBD references, requests joining mid-run, prefix reuse and
-preemption, DMax, structured output and TP=2 over gloo. The LLaDA2 experts' grouped GEMMs (bfloat16) compile too.
+dynamic shapes make rows and query positions symbolic, all at the engine's warm-up and never again while it
+decodes; and every engine suite gives the tokens of eager decoding with it: the Block Buffer against the naive
+MultiBD and SingleBD references, requests joining mid-run, prefix reuse and preemption, DMax, structured output and
+TP=2 over gloo. The LLaDA2 experts' grouped GEMMs (bfloat16) compile too.
 
-One engine shape for all of them (batch buckets 2 and 4, N_buf 2, B = 4, a pool of POOL_PAGES pages): a layer compiles in
-~5-15 s of CPU on 2 cores, so each family's layers compile once for the module (`shared`) and every later engine
-of that shape finds them in Dynamo's cache (kept on the compiled function's code, whatever the model's weights).
-Only DMax (N_buf 1) and the TP ranks (their own processes) compile shapes of their own. float32, as inductor's flex
-kernel takes no float64; the eager side is the same paged attention uncompiled (`compile: off`) or the sdpa
-references.
+One engine shape for all of them (batch buckets 2 and 4, N_buf 2, B = 4, a pool of POOL_PAGES pages): a layer
+compiles in ~5-15 s of CPU on 2 cores, so each family's layers compile once for the module (`shared`) and every
+later engine of that shape finds them in Dynamo's cache (kept on the compiled function's code, whatever the model's
+weights). Only DMax (N_buf 1) and the TP ranks (their own processes) compile shapes of their own. float32, as
+inductor's flex kernel takes no float64; the eager side is the same paged attention uncompiled (`compile: off`) or
+the sdpa references.
 """
 
 from __future__ import annotations
