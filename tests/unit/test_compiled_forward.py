@@ -25,7 +25,7 @@ from torch._inductor.utils import run_and_get_code
 
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding import Engine, NaiveMultiBD, SingleBD
-from mbd.decoding.compiled import decode_shapes
+from mbd.decoding.compiled import compiled_layer, decode_shapes
 from mbd.decoding.constraints import ConstraintSpec
 from mbd.model import KVCache, TPGroup, build_model, load_checkpoint, save_checkpoint
 from mbd.model.base import call_layer
@@ -211,17 +211,18 @@ def test_compiled_layer_writes_the_pool_in_place():
     runner = eng.runner
     cache = runner.cache
     pool_elems = cache.k[0].numel()  # one layer's K pool
-    attn = runner._paged(2, 2)
+    attn = runner._paged(2, 1)  # the shape the module's engines compile first: inductor's cache may hold it
     layer = eng.model.model.layers[0]
-    h = torch.randn(2, 8, eng.model.cfg.hidden_size)
-    cos, sin = rope_cos_sin(runner.paged.q_pos[:2, :8], eng.model.cfg.rotary_dim, eng.model.cfg.rope_theta, h.dtype)
-    compiled = torch.compile(call_layer, fullgraph=True, dynamic=False)
+    h = torch.randn(2, 4, eng.model.cfg.hidden_size)
+    cos, sin = rope_cos_sin(runner.paged.q_pos[:2, :4], eng.model.cfg.rotary_dim, eng.model.cfg.rope_theta, h.dtype)
+    compiled = compiled_layer("default")
     before = cache.k[0].clone()
     with torch.inference_mode():
         out, code = run_and_get_code(compiled, layer, h, cos, sin, attn.layer(0))  # resets Dynamo first
         want = call_layer(layer, h, cos, sin, attn.layer(0))
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     loops = re.compile(rf"<\s*static_cast<int64_t>\({pool_elems}L\)")  # a loop over the whole pool
+    assert any("flex" in c for c in code), "no generated code was read"  # an inductor cache hit returns it too
     assert not any(loops.search(c) for c in code), "the compiled layer copies the whole K/V pool"
     changed = (cache.k[0] != before).any(-1).flatten()
-    assert 0 < int(changed.sum()) <= 2 * 8 * cache.k.shape[1]
+    assert 0 < int(changed.sum()) <= 2 * 4 * cache.k.shape[1]
