@@ -41,7 +41,7 @@ class Sizes:
     warmup_shape: str = "sdar-8b"
     warmup_block: int = 32
     # configs/serve/sdar-8b-tp2.yaml's shapes (48 graphs over 24 (rows, slots) pairs): with automatic dynamic shapes
-    # they compile into ~6 layer graphs (tiny SDAR on CPU: 6 in 72 s; static shapes compiled 24 in 229 s)
+    # they compile into 3-5 layer graphs (tiny SDAR on CPU: 3 in 39 s; static shapes compiled 24 in 229 s)
     warmup_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     warmup_n_buf: int = 4
     hf_model: str = "0.5b"

@@ -46,7 +46,7 @@ from benchmarks.acceptance_rows import QUICK, Row, Sizes  # noqa: E402
 # the rows in another order) took floor_sdar 56 s cold, floor_llada2 140 s, hf 64 s, batch_invariance 37 s; compiled,
 # graphs, warm-up and bf16 ran past 90, 60, 92 and 60 s. The limits share the short run's budget: graphs reads the
 # compiled row's graphs from the run's compile cache; the warm-up builds the SDAR-8B serve config's 48 graphs, whose
-# 24 layer shapes compile into ~6 graphs since the layers compile with automatic dynamic shapes (static: 24 compiles,
+# 24 layer shapes compile into 3-5 graphs since the layers compile with automatic dynamic shapes (static: 24 compiles,
 # 17 s + 2-4 s each on that H200, past the row's limit).
 ROWS = {
     "compiled": (rows_.compiled_row, 90),

@@ -81,8 +81,10 @@ class PagedDecodeMask:
 
     @staticmethod
     def q_block(q: int) -> int:
-        """The BlockMask's query block for a buffer of q positions: one block per row (>= q), a power of two of at
-        least 16 so that GPU kernels' query tiles divide it."""
+        """A query block for a buffer of q positions: one block per row (>= q), a power of two of at least 16 so
+        that GPU kernels' query tiles divide it. The BlockMask's is the engine's largest buffer's, whatever a step's
+        slots: a compiled layer then sees the same block size at every slot count (a Python constant that would
+        otherwise compile a graph per size)."""
         return max(16, 1 << (q - 1).bit_length())
 
     def block_mask(self, rows: int, slots: int):
@@ -102,5 +104,5 @@ class PagedDecodeMask:
             return (lp >= 0) & block_causal(q_pos[b, qi], lp * P + ki % P, visible[b], B)
 
         return BlockMask.from_kv_blocks(self.part_n[:rows], self.part_idx[:rows], self.full_n[:rows],
-                                        self.full_idx[:rows], BLOCK_SIZE=(self.q_block(q), P), mask_mod=mask_mod,
+                                        self.full_idx[:rows], BLOCK_SIZE=(self.q_block(self.q_max), P), mask_mod=mask_mod,
                                         seq_lengths=(q, self.num_pages * P), compute_q_blocks=False)

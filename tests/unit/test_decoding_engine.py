@@ -36,8 +36,8 @@ def block_histories(trace: list[dict], aligned_prompt: int, block: int) -> dict[
 PROMPTS = [list(range(3, 13)), list(range(20, 28)), [5, 9, 2], list(range(30, 47))]  # tails 2, 0, 3, 1
 
 
-def tempered_model(family, scale=10.0, seed=0):
-    cfg = tiny_cfg(family)
+def tempered_model(family, scale=10.0, seed=0, **kw):
+    cfg = tiny_cfg(family, **kw)
     model = build_model(cfg, seed=seed).double().eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(scale)
@@ -310,8 +310,11 @@ def test_paged_mask_reads_each_rows_pages_where_they_lie():
         torch.testing.assert_close(got[r:r + 1], ref, atol=1e-12, rtol=1e-12)
 
 
-def test_flex_engine_equals_sdpa_engine():
-    model, cfg = tempered_model("sdar")
+@pytest.mark.parametrize("block", [4, 8])
+def test_flex_engine_equals_sdpa_engine(block):
+    """Eager paged flex == sdpa. Block 8, N_buf 3: the BlockMask's query block is the largest buffer's (32), larger
+    than the 8 or 16 query positions of a 1- or 2-slot step."""
+    model, cfg = tempered_model("sdar", block_size=block)
     dc = dcfg(tau_m2t=0.1)
     flex = Engine(model, None, dc, EngineConfig(max_batch_rows=2, attention="flex", compile="off"))
     sdpa = Engine(model, None, dc, EngineConfig(max_batch_rows=2))
