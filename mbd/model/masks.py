@@ -104,5 +104,5 @@ class PagedDecodeMask:
             return (lp >= 0) & block_causal(q_pos[b, qi], lp * P + ki % P, visible[b], B)
 
         return BlockMask.from_kv_blocks(self.part_n[:rows], self.part_idx[:rows], self.full_n[:rows],
-                                        self.full_idx[:rows], BLOCK_SIZE=(self.q_block(self.q_max), P), mask_mod=mask_mod,
-                                        seq_lengths=(q, self.num_pages * P), compute_q_blocks=False)
+                                        self.full_idx[:rows], BLOCK_SIZE=(self.q_block(self.q_max), P),
+                                        mask_mod=mask_mod, seq_lengths=(q, self.num_pages * P), compute_q_blocks=False)
