@@ -24,7 +24,11 @@ def test_every_decode_forward_is_logged_with_its_shape_and_timed_bare():
     bare = bare_forwards(engine, prompts[2], shapes, 2)
     assert set(bare) == set(shapes) and all(t > 0 for t in bare.values())
     assert not engine.has_unfinished()
-    # the same prompts through a fresh engine: logging and timing changed nothing that was decoded
-    ref = Engine(model, None, decode_config(2, 4, 0.3), EngineConfig(max_batch_rows=1))
-    again = ref.generate(prompts[:2], params={"max_new_tokens": 16})
-    assert sum(r.nfe for r in again) == nfe
+    # the same prompts through a fresh engine, with and without the log: logging changes nothing that is decoded
+    runs = []
+    for logged in (True, False):
+        e = Engine(model, None, decode_config(2, 4, 0.3), EngineConfig(max_batch_rows=1))
+        if logged:
+            ShapeLog(e)
+        runs.append([(r.token_ids, r.nfe) for r in e.generate(prompts[:2], params={"max_new_tokens": 16})])
+    assert runs[0] == runs[1] and sum(n for _, n in runs[0]) == nfe
