@@ -7,6 +7,11 @@ Segmented); a layer only calls the kernel it is handed. At inference the head ru
 logits are read (`logits_at`): a decode step needs them for its ACTIVE slots only, a prefill for none, and the
 LM head plus the policy's vocabulary softmax is a large part of a small model's step. How each layer is called is
 the caller's (`call`): the engine's compiled decode forward (`mbd.decoding.compiled`) passes `call_layer` compiled.
+
+A layer takes and returns (x, residual): its output x is added to the residual stream by the next layer (the
+final norm after the last), in the same kernel as that layer's input RMSNorm, so a compiled layer does not launch
+a kernel for its closing residual add (vLLM's fused add + RMSNorm). The sums are the same additions in the same
+order as `h = h + mlp(...)`, so the values are bit for bit those of the plain layer.
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ from mbd.config import ModelConfig
 from mbd.model.layers import rope_cos_sin
 from mbd.model.tp import TPGroup
 
-LayerCall = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, Callable], torch.Tensor]
+Hidden = tuple[torch.Tensor, torch.Tensor]  # (a layer's output x, the residual stream before it is added)
+LayerCall = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Callable], Hidden]
 
 
-def call_layer(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
-    """Decoder layer `layer` on h: the unit that `mbd.decoding.compiled` compiles (one graph serves every layer)."""
-    return layer(h, cos, sin, attend)
+def call_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attend) -> Hidden:
+    """Decoder layer `layer` on (x, residual): the unit that `mbd.decoding.compiled` compiles (one graph serves
+    every layer)."""
+    return layer(x, residual, cos, sin, attend)
 
 
 class CausalLMBase(nn.Module):
@@ -50,13 +58,15 @@ class CausalLMBase(nn.Module):
         if token_conf is not None:
             h = merge_embeddings(h, token_conf, self.model.embedding, self.cfg.mask_token_id)
         cos, sin = rope_cos_sin(position_ids, self.cfg.rotary_dim, self.cfg.rope_theta, h.dtype)
+        x, residual = h, torch.zeros_like(h)
         for i, layer in enumerate(self.model.layers):
-            h = call(layer, h, cos, sin, attn.layer(i))
+            x, residual = call(layer, x, residual, cos, sin, attn.layer(i))
         if logits_at is not None:
             if logits_at.shape[1] == 0:
                 return h.new_empty(h.shape[0], 0, self.cfg.vocab_size)
-            h = h.gather(1, logits_at.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
-        return self.lm_head(self.model.norm(h))
+            at = logits_at.unsqueeze(-1).expand(-1, -1, h.shape[-1])
+            x, residual = x.gather(1, at), residual.gather(1, at)
+        return self.lm_head(self.model.norm(residual + x))
 
 
 def merge_embeddings(h: torch.Tensor, conf: torch.Tensor, embedding: nn.Module, mask_id: int) -> torch.Tensor:

@@ -25,15 +25,18 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(position_ids: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin [b, 1, n, rotary_dim] for absolute positions (computed on the fly: cheap, no max-len table)."""
+    """cos/sin [b, n, 1, rotary_dim] for absolute positions (computed on the fly: cheap, no max-len table)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=position_ids.device, dtype=torch.float32) / rotary_dim))
     freqs = position_ids.float().unsqueeze(-1) * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+    return emb.cos().to(dtype).unsqueeze(2), emb.sin().to(dtype).unsqueeze(2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first cos.shape[-1] dims of each head (partial rotary leaves the rest)."""
+    """Rotate-half RoPE on the first cos.shape[-1] dims of each head of x [b, n, heads, d] (partial rotary leaves
+    the rest). Applied before the heads move to dim 1, so q reaches attention as a transposed view of [b, n, h, d],
+    the attention output keeps that order and merging its heads is a view, not a copy (one kernel fewer per
+    compiled layer)."""
     rot = cos.shape[-1]
     xr, xp = x[..., :rot], x[..., rot:]
     x1, x2 = xr.chunk(2, dim=-1)

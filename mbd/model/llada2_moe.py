@@ -36,9 +36,8 @@ class LLaDA2Attention(nn.Module):
         b, n, _ = x.shape
         qkv = self.query_key_value(x).view(b, n, self.n_heads + 2 * self.n_kv, self.hd)
         q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
-        q = self.query_layernorm(q).transpose(1, 2)
-        k = self.key_layernorm(k).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = apply_rope(self.query_layernorm(q), cos, sin).transpose(1, 2)
+        k = apply_rope(self.key_layernorm(k), cos, sin).transpose(1, 2)
         return self.dense(attend(q, k, v.transpose(1, 2)))
 
 
@@ -187,9 +186,10 @@ class LLaDA2DecoderLayer(nn.Module):
         dense = cfg.num_experts == 0 or layer < cfg.first_k_dense_replace
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, tp) if dense else LLaDA2SparseMoE(cfg, tp)
 
-    def forward(self, h, cos, sin, attend):
-        h = h + self.attention(self.input_layernorm(h), cos, sin, attend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, cos, sin, attend):
+        residual = residual + x
+        residual = residual + self.attention(self.input_layernorm(residual), cos, sin, attend)
+        return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
 class LLaDA2MoeModel(nn.Module):

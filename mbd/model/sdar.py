@@ -32,9 +32,8 @@ class SDARAttention(nn.Module):
     def forward(self, x, cos, sin, attend):
         b, n, _ = x.shape
         q, k, v = self.qkv_proj(x).view(b, n, -1, self.hd).split([self.n_heads, self.n_kv, self.n_kv], dim=2)
-        q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(k).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)
+        k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)
         return self.o_proj(attend(q, k, v.transpose(1, 2)))
 
 
@@ -46,9 +45,10 @@ class SDARDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, tp)
 
-    def forward(self, h, cos, sin, attend):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, cos, sin, attend):
+        residual = residual + x
+        residual = residual + self.self_attn(self.input_layernorm(residual), cos, sin, attend)
+        return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
 class SDARModel(nn.Module):

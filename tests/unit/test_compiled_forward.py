@@ -202,10 +202,11 @@ def test_grouped_expert_dispatch_compiles_in_bfloat16():
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * want.abs().max().item(), rtol=0)
 
 
-def test_compiled_layer_writes_the_pool_in_place():
+def test_compiled_layer_writes_the_pool_in_place_in_nine_kernels():
     """The compiled layer scatters its tokens' K/V into the pool where they lie: inductor's code touches the
     written positions, never the whole pool (a reshape of the pool inside the compiled region made it copy all of
-    it back every layer: the pool's size then appears as a loop bound in the generated code)."""
+    it back every layer: the pool's size then appears as a loop bound in the generated code). And it launches 9
+    kernels (11 before the residual add moved into the next layer's norm and RoPE before the head transpose)."""
     model = tempered("sdar")
     eng = Engine(model, None, dcfg(), engine_cfg(model, "off"))
     runner = eng.runner
@@ -218,11 +219,17 @@ def test_compiled_layer_writes_the_pool_in_place():
     compiled = compiled_layer("default")
     before = cache.k[0].clone()
     with torch.inference_mode():
-        out, code = run_and_get_code(compiled, layer, h, cos, sin, attn.layer(0))  # resets Dynamo first
-        want = call_layer(layer, h, cos, sin, attn.layer(0))
+        out, code = run_and_get_code(compiled, layer, h, torch.zeros_like(h), cos, sin, attn.layer(0))  # resets Dynamo
+        want = call_layer(layer, h, torch.zeros_like(h), cos, sin, attn.layer(0))
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     loops = re.compile(rf"<\s*static_cast<int64_t>\({pool_elems}L\)")  # a loop over the whole pool
     assert any("flex" in c for c in code), "no generated code was read"  # an inductor cache hit returns it too
     assert not any(loops.search(c) for c in code), "the compiled layer copies the whole K/V pool"
+    # One SDAR layer is 4 GEMMs (q|k|v, o, gate|up, down) and 5 fused kernels: the previous layer's residual add
+    # with the input RMSNorm; q/k norm + RoPE + the K/V scatter; attention; o's residual + RMSNorm; SiLU * up.
+    # No kernel for the closing residual add (the next layer's first does it) nor for merging attention's heads
+    # (RoPE runs before the heads move to dim 1, so attention writes [b, n, h, d] and the merge is a view).
+    calls = [m.group(1) for c in code for m in re.finditer(r"^\s+(cpp_fused_\w+|extern_kernels\.mm)\(", c, re.M)]
+    assert calls.count("extern_kernels.mm") == 4 and len(calls) == 9, calls
     changed = (cache.k[0] != before).any(-1).flatten()
     assert 0 < int(changed.sum()) <= 2 * 4 * cache.k.shape[1]
