@@ -14,7 +14,7 @@ import torch
 
 from benchmarks.bf16_drift import random_drift, tinymath_drift
 from benchmarks.hf_baseline import PlainBlockDiffusion, random_sdar, to_qwen3
-from benchmarks.step_floor import measure, shape_config, random_model
+from benchmarks.step_floor import measure, random_model, shape_config, top_kernels
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding import Engine
 from mbd.decoding.compiled import decode_shapes
@@ -159,20 +159,29 @@ def graphs_row(s: Sizes, device: str, out: Path) -> Row:
     return Row("CUDA Graph replay == no graphs", "PASS" if ok else "FAIL", " | ".join(parts))
 
 
-def floor_row(index: int):
+def floor_row(index: int, compile: str = "auto"):
     def row(s: Sizes, device: str, out: Path) -> Row:
         """ms per step of SingleBD and N_buf 2 at batch 1 and 16 against each cell's weight-streaming floor (the
-        experts its steps read) and, side by side, the floor with every routed expert read; the copy rate."""
-        m = measure(s.floor_shapes[index], list(s.floor_batches), [1, 2], s.floor_block, s.floor_new,
-                    s.floor_repeats, device)
+        experts its steps read) and, side by side, the floor with every routed expert read; the copy rate. With a
+        compile mode named (max-autotune: GEMMs autotuned for the decode shapes, no cuBLAS split-K), batch 1 only,
+        on a GPU only (CPU's autotuned C++ GEMM templates are another question)."""
+        if compile != "auto" and device != "cuda":
+            return Row(f"step vs floor: {s.floor_shapes[index]}, compile {compile}", SKIPPED, "needs a GPU")
+        batches = list(s.floor_batches) if compile == "auto" else list(s.floor_batches[:1])
+        m = measure(s.floor_shapes[index], batches, [1, 2], s.floor_block, s.floor_new, s.floor_repeats, device,
+                    compile)
         one = [c for c in m["cells"] if c["batch"] == s.floor_batches[0]]
         text = "; ".join(f"batch {c['batch']} N_buf {c['n_buf']}: {c['ms_step']:.2f} ms = {c['x_floor']:.2f}x floor "
                          f"{c['floor_ms']:.2f} ms" + (f" ({c['x_naive_floor']:.2f}x all-experts floor "
                                                      f"{c['naive_floor_ms']:.2f} ms)" if c["experts_read"] else "")
-                         + f", TPF {c['tpf']:.2f}, TPS {c['tps']:.0f}" for c in m["cells"])
+                         + f", TPF {c['tpf']:.2f}, TPS {c['tps']:.0f}"
+                         + (f", {c['kernels_layer']:.1f} kernels/layer" if c["kernels_layer"] else "")
+                         for c in m["cells"])
         ratio = one[1]["ms_step"] / one[0]["ms_step"]
-        return Row(f"step vs floor: {m['shape']}", "MEASURED", f"copy rate {m['copy_rate_tb_s']:.3g} TB/s; {text}; "
-                   f"N_buf 2 / SingleBD step {ratio:.2f}", data=m)
+        top = "".join(f"; {top_kernels(c, m['layers'])[2:]}" for c in one[:1] if c["kernels_top"])
+        name = f"step vs floor: {m['shape']}" + (f", compile {compile}" if compile != "auto" else "")
+        return Row(name, "MEASURED", f"copy rate {m['copy_rate_tb_s']:.3g} TB/s; {text}; "
+                   f"N_buf 2 / SingleBD step {ratio:.2f}{top}", data=m)
     return row
 
 

@@ -2,7 +2,7 @@
 a process of its own under its own time limit, the rows in order of value, within a total budget.
 
     python -m benchmarks.gpu_acceptance --budget 420 --out runs/acceptance   # the short run: fits a 15-minute lease
-    python -m benchmarks.gpu_acceptance --rows bf16,train_dense,train_flex,serve   # the other rows, a second lease
+    python -m benchmarks.gpu_acceptance --rows bf16,train_dense,train_flex,serve,floor_sdar_autotune   # a second lease
     python -m benchmarks.gpu_acceptance --device cpu --quick --rows all      # the same code on CPU (the test suite)
     python -m benchmarks.gpu_acceptance --rows floor_sdar,compiled            # a subset, in the order given
 
@@ -15,7 +15,8 @@ itself; `<out>/table.md` and the exit status (1 if a row FAILs) come at the end.
 CUDA Graph replay == no graphs, the plain transformers loop, step vs floor (SDAR-8B and LLaDA2-Mini shapes: ms per
 step, TPF, TPS, kernels per step and per layer, the weight-streaming and matrix floors from measured device rates),
 warm-up (first, then from the cache the first left: graphs compiled and read back), batch invariance; then bf16
-drift, ZeRO-2 training steps (dense and flex dual-stream masks: tokens/s, MFU, flex == dense), one served request.
+drift, ZeRO-2 training steps (dense and flex dual-stream masks: tokens/s, MFU, flex == dense), one served request,
+SDAR-8B's batch-1 step compiled with max-autotune.
 Every compiled engine of a run shares the run's compile cache. Only the served-request row imports Ray.
 """
 
@@ -57,11 +58,13 @@ ROWS = {
     "warmup_first": (rows_.warmup_row(cold=True), 60),
     "warmup_cached": (rows_.warmup_row(cold=False), 25),
     "batch_invariance": (rows_.batch_invariance_row, 30),
-    # not in the short run: a second lease runs them (`--rows bf16,train_dense,train_flex,serve`)
+    # not in the short run: a second lease runs them (`--rows bf16,train_dense,train_flex,serve,floor_sdar_autotune`);
+    # the last one compiles SDAR-8B's batch-1 step with max-autotune (GEMMs tuned for 32-64 rows, no split-K)
     "bf16": (rows_.bf16_row, 120),
     "train_dense": (train_.train_row("dense"), 60),
     "train_flex": (train_.train_row("flex"), 60),
     "serve": (train_.serve_row, 60),
+    "floor_sdar_autotune": (rows_.floor_row(0, "max-autotune"), 120),
 }
 SHORT_RUN = list(ROWS)[:8]
 BUDGET = 420  # seconds: a 15-minute lease less the machine's start and the copy back

@@ -1,11 +1,11 @@
 """A decode step against its physics: the engine's ms per step (compiled and CUDA-Graph captured on a GPU) for a
 paper model's shape with random weights, against the weight-streaming floor (the bytes of weights one batch-1 step
 reads, over the card's copy rate: the median of event-timed device-to-device copies), with TPF, TPS and the kernels
-per step and per decoder layer from torch.profiler. A step reads every weight once (a tied head once, as the head)
-except the input embedding, of which it reads one row per query position, and, for the MoE, the routed experts:
-each cell's floor counts those its own steps chose (hooked in an eager run of the same prompts, batch and N_buf),
-beside the floor with every expert read. The MoE's random attention is sharpened so that its routing spreads as a
-trained model's does (`ATTENTION_SHARPEN`).
+per step and per decoder layer from torch.profiler (the ten longest by name). A step reads every weight once (a
+tied head once, as the head) except the input embedding, of which it reads one row per query position, and, for the
+MoE, the routed experts: each cell's floor counts those its own steps chose (hooked in an eager run of the same
+prompts, batch and N_buf), beside the floor with every expert read. The MoE's random attention is sharpened so that
+its routing spreads as a trained model's does (`ATTENTION_SHARPEN`).
 
     python -m benchmarks.step_floor --shape sdar-8b --batch 1,16 --n-buf 1,2          # on a GPU
     python -m benchmarks.step_floor --shape tiny --device cpu --new 32                 # the same code on CPU
@@ -181,8 +181,11 @@ def run(engine: Engine, prompts: list[list[int]]) -> dict:
     return {"ms_step": 1e3 * secs / steps, "tps": tokens / secs, "tpf": tokens / sum(r.nfe for r in res)}
 
 
-def kernels_per_step(engine: Engine, prompts: list[list[int]], new: int, device: str) -> float | None:
-    """GPU kernels launched per decode step (torch.profiler over a short run; memcpy / memset excluded)."""
+TOP_KERNELS = 10
+
+
+def kernels_per_step(engine: Engine, prompts: list[list[int]], new: int, device: str) -> dict | None:
+    """GPU kernels per decode step, by name (torch.profiler over a short run; `kernel_table`)."""
     if device != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -190,18 +193,30 @@ def kernels_per_step(engine: Engine, prompts: list[list[int]], new: int, device:
     n0 = engine.stats.steps
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, {"max_new_tokens": new})
-    kernels = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA"
-                  and not e.key.startswith(("Memcpy", "Memset")))
-    return kernels / max(engine.stats.steps - n0, 1)
+    return kernel_table(prof.key_averages(), "CUDA", engine.stats.steps - n0)
 
 
-def cell(model, cfg: ModelConfig, batch: int, n_bufs: list[int], new: int, repeats: int, device: str) -> list[dict]:
+def kernel_table(averages, device_type: str, steps: int, top: int = TOP_KERNELS) -> dict:
+    """From a profile's `key_averages()`: the events of `device_type` ("CUDA": kernels; memcpy / memset excluded)
+    launched per step, their device time per step (us), and the `top` of them by time as [name (cut to 120
+    characters), launches per step, us per step], so a row says which kernels a step's time goes to."""
+    steps = max(steps, 1)
+    cpu = device_type == "CPU"
+    events = [e for e in averages if e.device_type.name == device_type and not e.key.startswith(("Memcpy", "Memset"))]
+    took = {id(e): e.self_cpu_time_total if cpu else e.self_device_time_total for e in events}
+    events.sort(key=lambda e: took[id(e)], reverse=True)
+    return {"per_step": sum(e.count for e in events) / steps, "us_step": sum(took.values()) / steps,
+            "top": [[e.key[:120], e.count / steps, took[id(e)] / steps] for e in events[:top]]}
+
+
+def cell(model, cfg: ModelConfig, batch: int, n_bufs: list[int], new: int, repeats: int, device: str,
+         compile: str = "auto") -> list[dict]:
     """One (model, batch) cell: an engine per N_buf (compiled and captured at construction), ABAB repeats, medians;
     for the MoE also the experts each N_buf's steps read, from an eager engine decoding the same prompts (its first
     4 blocks' worth of tokens)."""
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, cfg.vocab_size - 2, (batch, 64), generator=g).tolist()
-    ecfg = EngineConfig(device=device, max_batch_rows=batch, batch_buckets=[batch])
+    ecfg = EngineConfig(device=device, max_batch_rows=batch, batch_buckets=[batch], compile=compile)
     engines = {n: Engine(model, None, decode_config(n, new), ecfg) for n in n_bufs}
     runs: dict[int, list[dict]] = {n: [] for n in n_bufs}
     for rep in range(repeats + 1):  # the first round warms up the allocator and is dropped
@@ -213,7 +228,9 @@ def cell(model, cfg: ModelConfig, batch: int, n_bufs: list[int], new: int, repea
     out = []
     for n, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs[1:] or rs) for k in rs[0]}
-        med["kernels_step"] = kernels_per_step(engines[n], prompts, 4 * cfg.block_size, device)
+        kernels = kernels_per_step(engines[n], prompts, 4 * cfg.block_size, device)
+        med["kernels_step"] = kernels and kernels["per_step"]
+        med["kernels_top"] = kernels and kernels["top"]
         sample = decode_config(n, min(new, 4 * cfg.block_size))  # the cell's first steps: the row's time is short
         read = experts_read(model, Engine(model, None, sample, eager), prompts)
         out.append(med | {"batch": batch, "n_buf": n, "warmup_s": engines[n].warmup_s, "experts_read": read})
@@ -234,17 +251,19 @@ def floors(model, cfg: ModelConfig, c: dict, rate: float, flops: float) -> dict:
 
 
 def measure(shape: str, batches: list[int], n_bufs: list[int], block: int, new: int, repeats: int,
-            device: str) -> dict:
-    """Every (batch, N_buf) cell of one model shape against its floors; the top-level floor is the first cell's."""
+            device: str, compile: str = "auto") -> dict:
+    """Every (batch, N_buf) cell of one model shape against its floors; the top-level floor is the first cell's.
+    compile: the engines' EngineConfig.compile (auto: compiled on a GPU, eager sdpa on CPU)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = shape_config(shape, block)
     model = random_model(cfg, device, dtype)
     rate, flops = copy_rate(device, (1 << 30) if device == "cuda" else (1 << 26)), matmul_rate(device, dtype)
-    cells = [c for b in batches for c in cell(model, cfg, b, n_bufs, new, repeats, device)]
+    cells = [c for b in batches for c in cell(model, cfg, b, n_bufs, new, repeats, device, compile)]
     for c in cells:
         c |= floors(model, cfg, c, rate, flops)
     first = cells[0]
-    return {"shape": shape, "block": block, "device": device, "dtype": str(dtype).removeprefix("torch."),
+    return {"shape": shape, "block": block, "layers": cfg.num_hidden_layers, "device": device, "compile": compile,
+            "dtype": str(dtype).removeprefix("torch."),
             "copy_rate_tb_s": rate / 1e12, "matmul_tflops": flops / 1e12,
             "weight_bytes": sum(map(tensor_bytes, model.parameters())) + sum(map(tensor_bytes, model.buffers())),
             "attention_sharpen": ATTENTION_SHARPEN if cfg.num_experts else None,
@@ -278,7 +297,14 @@ def table(m: dict) -> str:
         lines.append(f"| {c['batch']} | {c['n_buf']} | {c['ms_step']:.2f} | {c['floor_ms']:.3f} | {c['x_floor']:.2f} | "
                      f"{c['naive_floor_ms']:.3f} | {c['x_naive_floor']:.2f} | {ex} | {c['x_matmul']:.2f} | "
                      f"{c['tpf']:.2f} | {c['tps']:.0f} | {k} | {kl} | {c['warmup_s']:.1f} |")
+    lines += [top_kernels(c, m["layers"]) for c in m["cells"] if c["kernels_top"]]
     return "\n".join(lines)
+
+
+def top_kernels(c: dict, layers: int) -> str:
+    """One cell's kernels by device time: name, launches per decoder layer per step, us per step."""
+    return (f"- top kernels, batch {c['batch']} N_buf {c['n_buf']} (launches per layer per step, us per step): "
+            + "; ".join(f"{name} x{count / layers:.2f} {us:.0f} us" for name, count, us in c["kernels_top"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,10 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--compile", default="auto", help="EngineConfig.compile: auto, off, default, max-autotune")
     ap.add_argument("--json", help="also write the measurement here")
     args = ap.parse_args(argv)
     ints = [int(x) for x in args.batch.split(",")], [int(x) for x in args.n_buf.split(",")]
-    m = measure(args.shape, *ints, args.block, args.new, args.repeats, args.device)
+    m = measure(args.shape, *ints, args.block, args.new, args.repeats, args.device, args.compile)
     print(table(m))
     if args.json:
         Path(args.json).write_text(json.dumps(m, indent=1))

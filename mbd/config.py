@@ -236,10 +236,11 @@ class EngineConfig(StrictModel):
     attention: Literal["auto", "sdpa", "flex"] = Field(default="auto", description=(
         "sdpa: dense bool masks over a gathered key span (the eager reference); flex: FlexAttention over the KV "
         "page pool itself, each row's pages named by a BlockMask (no gather, no span: few static shapes); "
-        "auto: flex on cuda, sdpa on cpu"))
+        "auto: flex on cuda or where compile / cuda_graphs are set, sdpa on cpu"))
     compile: Literal["auto", "off", "default", "max-autotune"] = Field(default="auto", description=(
         "torch.compile mode of the decode forward's layers (attention flex only; off: eager); auto: default on "
-        "cuda, off on cpu"))
+        "cuda, off on cpu; max-autotune: autotuned GEMM templates, inductor's own CUDA Graphs off (the engine "
+        "captures each step itself)"))
     cuda_graphs: Literal["auto", "on", "off"] = Field(default="auto", description=(
         "capture every decode shape as a CUDA Graph at start-up (attention flex only); auto: on cuda"))
     compile_cache: str | None = Field(default=None, description=(

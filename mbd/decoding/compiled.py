@@ -70,9 +70,12 @@ class DecodeMode(NamedTuple):
 
 
 def decode_mode(engine: EngineConfig, device: torch.device) -> DecodeMode:
-    """flex, compiled and captured on CUDA; sdpa, eager on CPU; what `engine` sets otherwise."""
+    """flex, compiled and captured on CUDA; sdpa, eager on CPU; what `engine` sets otherwise. `attention: auto`
+    with a compile mode or graphs asked for by name is flex on any device: only flex honours them, and sdpa would
+    run eager without a word."""
     cuda = device.type == "cuda"
-    attention = engine.attention if engine.attention != "auto" else ("flex" if cuda else "sdpa")
+    static = engine.compile not in ("auto", "off") or engine.cuda_graphs == "on"
+    attention = engine.attention if engine.attention != "auto" else ("flex" if cuda or static else "sdpa")
     if attention == "sdpa":
         return DecodeMode(attention, "off", False)
     compile = engine.compile if engine.compile != "auto" else ("default" if cuda else "off")
@@ -86,12 +89,19 @@ def decode_shapes(buckets: Sequence[int], n_buf: int) -> list[Shape]:
     return [(b, s, a) for b in buckets for s in range(1, n_buf + 1) for a in (0, s)]
 
 
+# EngineConfig.compile -> torch.compile's mode. The engine captures each step's CUDA Graph itself (`_capture`), so
+# max-autotune (autotuned GEMM templates: Triton's without split-K for the 32-64-row decode GEMMs, where cuBLAS
+# adds a reduction kernel) runs without inductor's own graph trees, which would capture every layer call inside
+# the engine's capture.
+INDUCTOR_MODES = {"default": None, "max-autotune": "max-autotune-no-cudagraphs"}
+
+
 @functools.cache
 def compiled_layer(mode: str) -> LayerCall:
-    """`call_layer` compiled with that torch.compile mode, one per process: Dynamo keeps its graphs on the
+    """`call_layer` compiled with that EngineConfig.compile mode, one per process: Dynamo keeps its graphs on the
     function's code, so every engine of the process shares them (a second engine of the same model and shapes
     compiles nothing). dynamic=None: automatic dynamic shapes (the module's docstring)."""
-    return torch.compile(call_layer, fullgraph=True, dynamic=None, mode=None if mode == "default" else mode)
+    return torch.compile(call_layer, fullgraph=True, dynamic=None, mode=INDUCTOR_MODES[mode])
 
 
 @contextlib.contextmanager

@@ -156,3 +156,29 @@ def test_paper_serve_configs_capture_few_graphs(name, graphs):
     plan = serve_plan(mcfg, decode, serve_shape(engine, serve.model.tensor_parallel_size), H100_80GB)
     note = next(i.note for i in plan.items if i.name == "CUDA-Graph pools")
     assert note.startswith(f"{graphs} graphs") and plan.fits
+
+
+def test_auto_attention_honours_a_compile_mode_or_graphs_asked_for_on_any_device():
+    """Only flex compiles and captures: `attention: auto` with `compile` or `cuda_graphs` set by name resolves to
+    flex on CPU too (it was sdpa there, which ran eager and ignored them); auto everywhere stays eager sdpa on CPU."""
+    from mbd.decoding.compiled import decode_mode
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert decode_mode(EngineConfig(), cpu) == ("sdpa", "off", False)
+    assert decode_mode(EngineConfig(compile="off"), cpu) == ("sdpa", "off", False)
+    assert decode_mode(EngineConfig(compile="default"), cpu) == ("flex", "default", False)
+    assert decode_mode(EngineConfig(compile="max-autotune"), cpu) == ("flex", "max-autotune", False)
+    assert decode_mode(EngineConfig(cuda_graphs="on"), cuda) == ("flex", "default", True)
+    assert decode_mode(EngineConfig(compile="off", cuda_graphs="on"), cuda) == ("flex", "off", True)
+
+
+def test_max_autotune_leaves_graph_capture_to_the_engine():
+    """The engine captures each step as one CUDA Graph; inductor's own graph trees inside that capture would
+    record every layer call. max-autotune therefore compiles with autotuned GEMMs and without them."""
+    from torch._inductor import list_mode_options
+
+    from mbd.decoding.compiled import INDUCTOR_MODES
+
+    options = list_mode_options(INDUCTOR_MODES["max-autotune"])
+    assert options["max_autotune"] is True and not options.get("triton.cudagraphs")
+    assert INDUCTOR_MODES["default"] is None  # torch.compile's default: no inductor graphs either

@@ -16,7 +16,8 @@ from benchmarks.gpu_acceptance import BUDGET, ROWS, SHORT_RUN, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 CORRECTNESS = {"compiled", "graphs", "hf"}  # the rows that compare the GPU path with a reference
-CHEAP = ["hf", "floor_sdar", "floor_llada2", "batch_invariance", "bf16"]  # nothing compiled: seconds each on CPU
+# nothing compiled: seconds each on CPU (the autotuned floor skips there)
+CHEAP = ["hf", "floor_sdar", "floor_llada2", "batch_invariance", "bf16", "floor_sdar_autotune"]
 
 
 def quick_run(tmp_path: Path, rows: list[str]) -> tuple[dict, str]:
@@ -49,7 +50,7 @@ def test_quick_acceptance_runs_the_rows_that_compile_nothing(tmp_path):
     rows, _ = quick_run(tmp_path, CHEAP)
     assert {k: r["result"] for k, r in rows.items()} == {
         "hf": "PASS", "bf16": "PASS", "floor_sdar": "MEASURED", "floor_llada2": "MEASURED",
-        "batch_invariance": "MEASURED"}
+        "batch_invariance": "MEASURED", "floor_sdar_autotune": "skipped (no CUDA)"}
     assert rows["hf"]["data"]["first_divergence"] == [None]  # fp32 tokens equal the transformers loop's
     for name in ("floor_sdar", "floor_llada2"):
         cells = rows[name]["data"]["cells"]
@@ -69,7 +70,7 @@ def test_quick_acceptance_runs_every_row_in_its_own_process(tmp_path):
     # the warm-up first: the compiled row's shapes are the quick warm-up's, read back from the run's cache
     order = ["warmup_first", "warmup_cached", *(n for n in ROWS if not n.startswith("warmup"))]
     rows, _ = quick_run(tmp_path, order)
-    skipped = {"graphs": "skipped (no CUDA)", "train_flex": "skipped (no CUDA)"}
+    skipped = {k: "skipped (no CUDA)" for k in ("graphs", "train_flex", "floor_sdar_autotune")}
     measured = {"floor_sdar", "floor_llada2", "warmup_first", "warmup_cached", "batch_invariance"}
     assert {k: r["result"] for k, r in rows.items()} == {
         k: skipped.get(k, "MEASURED" if k in measured else "PASS") for k in ROWS}

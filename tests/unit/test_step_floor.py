@@ -1,11 +1,14 @@
 """The honest floor of `benchmarks.step_floor`: the weight bytes a decode step reads (exact counts from the
-shapes, written out here), the experts a cell's steps read, the copy rate's median of timed copies."""
+shapes, written out here), the experts a cell's steps read, the copy rate's median of timed copies, the kernels a
+step launches by name."""
 
 import pytest
 import torch
 
-from benchmarks.step_floor import (ATTENTION_SHARPEN, copy_rate, decode_config, experts_read, random_model,
-                                   shape_config, step_bytes)
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.step_floor import (ATTENTION_SHARPEN, copy_rate, decode_config, experts_read, kernel_table,
+                                   random_model, shape_config, step_bytes)
 from mbd.config import EngineConfig
 from mbd.decoding import Engine
 from mbd.model.llada2_moe import LLaDA2Gate
@@ -83,3 +86,23 @@ def test_only_the_moe_gets_sharpened_attention_for_its_routing():
         norms[shape] = {float(p.detach().unique()) for n, p in model.named_parameters() if n.endswith(("q_norm.weight",
                         "k_norm.weight", "query_layernorm.weight", "key_layernorm.weight"))}
     assert norms == {"tiny": {1.0}, "tiny-moe": {ATTENTION_SHARPEN}}
+
+
+def test_the_kernel_table_counts_each_kernel_per_step_and_ranks_them_by_time():
+    """The same summary the GPU rows take of CUDA kernels, taken here of a CPU profile whose calls are known: 3
+    steps of 2 large matmuls and 5 small adds."""
+    a, b = torch.randn(256, 256), torch.randn(8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            for _ in range(2):
+                torch.mm(a, a)
+            for _ in range(5):
+                torch.add(b, b)
+    table = kernel_table(prof.key_averages(), "CPU", steps=3, top=2)
+    (first, mm_calls, mm_us), (second, add_calls, _) = table["top"]
+    assert (first, mm_calls) == ("aten::mm", 2) and mm_us > 0  # the matmuls take the most time
+    assert second != "aten::mm" and len(table["top"]) == 2
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert table["per_step"] == sum(counts.values()) / 3
+    assert counts["aten::add"] == 15
+    assert table["us_step"] >= mm_us
