@@ -175,7 +175,8 @@ def floor_row(index: int, compile: str = "auto"):
                          f"{c['floor_ms']:.2f} ms" + (f" ({c['x_naive_floor']:.2f}x all-experts floor "
                                                      f"{c['naive_floor_ms']:.2f} ms)" if c["experts_read"] else "")
                          + f", TPF {c['tpf']:.2f}, TPS {c['tps']:.0f}"
-                         + (f", {c['kernels_layer']:.1f} kernels/layer" if c["kernels_layer"] else "")
+                         + (f", {c['kernels_layer']:.1f} kernels/layer taking {c['device_ms_step']:.2f} ms of the step"
+                            if c["kernels_layer"] else "")
                          for c in m["cells"])
         ratio = one[1]["ms_step"] / one[0]["ms_step"]
         top = "".join(f"; {top_kernels(c, m['layers'])[2:]}" for c in one[:1] if c["kernels_top"])

@@ -231,6 +231,7 @@ def cell(model, cfg: ModelConfig, batch: int, n_bufs: list[int], new: int, repea
         kernels = kernels_per_step(engines[n], prompts, 4 * cfg.block_size, device)
         med["kernels_step"] = kernels and kernels["per_step"]
         med["kernels_top"] = kernels and kernels["top"]
+        med["device_ms_step"] = kernels and kernels["us_step"] / 1e3  # the GPU busy; the rest of ms_step it idles
         sample = decode_config(n, min(new, 4 * cfg.block_size))  # the cell's first steps: the row's time is short
         read = experts_read(model, Engine(model, None, sample, eager), prompts)
         out.append(med | {"batch": batch, "n_buf": n, "warmup_s": engines[n].warmup_s, "experts_read": read})
@@ -287,15 +288,18 @@ def table(m: dict) -> str:
     lines = [f"{m['shape']} (B={m['block']}, {m['dtype']} on {m['device']}): copy rate {m['copy_rate_tb_s']:.3g} TB/s "
              f"(median of device-to-device copies), weights {m['weight_bytes'] / 1e9:.2f} GB; matrix rate "
              f"{m['matmul_tflops']:.0f} TFLOP/s{spread}",
-             "| batch | N_buf | ms/step | floor ms (experts read) | x floor | floor ms (all experts) | x that floor | "
-             "experts read / layer | x matmul floor | TPF | TPS | kernels/step | kernels/layer | warm-up s |",
-             "|---:" * 14 + "|"]
+             "| batch | N_buf | ms/step | kernels' ms/step | floor ms (experts read) | x floor | "
+             "floor ms (all experts) | x that floor | experts read / layer | x matmul floor | TPF | TPS | "
+             "kernels/step | kernels/layer | warm-up s |",
+             "|---:" * 15 + "|"]
     for c in m["cells"]:
         k = "-" if c["kernels_step"] is None else f"{c['kernels_step']:.0f}"
         kl = "-" if c["kernels_layer"] is None else f"{c['kernels_layer']:.1f}"
         ex = f"{statistics.mean(c['experts_read'].values()):.0f}" if c["experts_read"] else "-"
-        lines.append(f"| {c['batch']} | {c['n_buf']} | {c['ms_step']:.2f} | {c['floor_ms']:.3f} | {c['x_floor']:.2f} | "
-                     f"{c['naive_floor_ms']:.3f} | {c['x_naive_floor']:.2f} | {ex} | {c['x_matmul']:.2f} | "
+        dev = "-" if c["device_ms_step"] is None else f"{c['device_ms_step']:.2f}"
+        lines.append(f"| {c['batch']} | {c['n_buf']} | {c['ms_step']:.2f} | {dev} | {c['floor_ms']:.3f} | "
+                     f"{c['x_floor']:.2f} | {c['naive_floor_ms']:.3f} | {c['x_naive_floor']:.2f} | {ex} | "
+                     f"{c['x_matmul']:.2f} | "
                      f"{c['tpf']:.2f} | {c['tps']:.0f} | {k} | {kl} | {c['warmup_s']:.1f} |")
     lines += [top_kernels(c, m["layers"]) for c in m["cells"] if c["kernels_top"]]
     return "\n".join(lines)

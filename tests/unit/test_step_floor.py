@@ -106,3 +106,22 @@ def test_the_kernel_table_counts_each_kernel_per_step_and_ranks_them_by_time():
     assert table["per_step"] == sum(counts.values()) / 3
     assert counts["aten::add"] == 15
     assert table["us_step"] >= mm_us
+
+
+def test_the_floor_row_reports_each_cells_kernels_by_name(monkeypatch, tmp_path):
+    """The GPU-only part of the floor rows (kernels per layer, the kernels' share of the step, the top kernels by
+    name) rendered from a kernel table handed in, as a CUDA profile would give it, on the quick CPU sizes."""
+    import benchmarks.step_floor as step_floor
+    from benchmarks.acceptance_rows import QUICK, floor_row
+
+    top = [["gemm_kernel", 8.0, 900.0], ["triton_per_fused_add_rms_norm_0", 4.0, 40.0]]
+    monkeypatch.setattr(step_floor, "kernels_per_step",
+                        lambda *a: {"per_step": 18.0, "us_step": 1500.0, "top": top})
+    row = floor_row(0)(QUICK, "cpu", tmp_path)
+    layers = row.data["layers"]
+    assert layers == shape_config("tiny", 4).num_hidden_layers
+    assert all(c["kernels_layer"] == 18.0 / layers and c["device_ms_step"] == 1.5 for c in row.data["cells"])
+    assert row.detail.count(f"{18.0 / layers:.1f} kernels/layer taking 1.50 ms of the step") == 4  # every cell
+    assert f"gemm_kernel x{8.0 / layers:.2f} 900 us" in row.detail  # batch 1 SingleBD's top kernels
+    lines = step_floor.table(row.data).splitlines()
+    assert len(lines) == 3 + 4 + 4 and all(line.startswith("- top kernels, batch") for line in lines[-4:])
