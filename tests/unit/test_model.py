@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from mbd.model import CheckpointError, KVCache, build_model, load_checkpoint, save_checkpoint
 from mbd.model.attention import Cached, Masked
-from mbd.model.layers import attend
+from mbd.model.layers import attend, rope_cos_sin
 from mbd.model.masks import block_causal_dense
 from tests.conftest import tiny_cfg
 
@@ -205,3 +205,24 @@ def test_bad_checkpoint_dirs(tmp_path):
     (tmp_path / "ok" / "config.json").write_text(json.dumps(d))
     with pytest.raises(CheckpointError, match="unknown architecture"):
         load_checkpoint(tmp_path / "ok")
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2_moe"])
+def test_a_layer_adds_the_previous_output_to_the_residual_stream_bit_for_bit(family):
+    """A layer takes (x, residual) and leaves its own output for the next layer to add (the fused add + RMSNorm):
+    residual + output equals, bit for bit, the pre-norm layer written out here, h = r + x, h += attn(norm(h)),
+    h += mlp(norm2(h))."""
+    torch.manual_seed(0)
+    model = build_model(tiny_cfg(family), seed=3).eval()
+    x, r = torch.randn(2, 8, model.cfg.hidden_size), torch.randn(2, 8, model.cfg.hidden_size)
+    pos = torch.arange(8).expand(2, -1)
+    attn = Masked(block_causal_dense(pos, 8, torch.tensor([8, 8]), 4))
+    cos, sin = rope_cos_sin(pos, model.cfg.rotary_dim, model.cfg.rope_theta, x.dtype)
+    for layer in model.model.layers:
+        mixer = layer.self_attn if family == "sdar" else layer.attention
+        with torch.no_grad():
+            h = r + x
+            h = h + mixer(layer.input_layernorm(h), cos, sin, attn)
+            want = h + layer.mlp(layer.post_attention_layernorm(h))
+            out, residual = layer(x, r, cos, sin, attn)
+        assert torch.equal(residual + out, want)
