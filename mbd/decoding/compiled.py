@@ -90,9 +90,9 @@ def decode_shapes(buckets: Sequence[int], n_buf: int) -> list[Shape]:
 
 
 # EngineConfig.compile -> torch.compile's mode. The engine captures each step's CUDA Graph itself (`_capture`), so
-# max-autotune (autotuned GEMM templates: Triton's without split-K for the 32-64-row decode GEMMs, where cuBLAS
-# adds a reduction kernel) runs without inductor's own graph trees, which would capture every layer call inside
-# the engine's capture.
+# max-autotune (GEMMs autotuned for the 32-64-row decode shapes: a Triton template wins where cuBLAS's choice,
+# e.g. a split-K with its extra reduction kernel, is slower) runs without inductor's own graph trees, which would
+# capture every layer call inside the engine's capture.
 INDUCTOR_MODES = {"default": None, "max-autotune": "max-autotune-no-cudagraphs"}
 
 
