@@ -201,12 +201,11 @@ def kernel_table(averages, device_type: str, steps: int, top: int = TOP_KERNELS)
     launched per step, their device time per step (us), and the `top` of them by time as [name (cut to 120
     characters), launches per step, us per step], so a row says which kernels a step's time goes to."""
     steps = max(steps, 1)
-    cpu = device_type == "CPU"
-    events = [e for e in averages if e.device_type.name == device_type and not e.key.startswith(("Memcpy", "Memset"))]
-    took = {id(e): e.self_cpu_time_total if cpu else e.self_device_time_total for e in events}
-    events.sort(key=lambda e: took[id(e)], reverse=True)
-    return {"per_step": sum(e.count for e in events) / steps, "us_step": sum(took.values()) / steps,
-            "top": [[e.key[:120], e.count / steps, took[id(e)] / steps] for e in events[:top]]}
+    timed = sorted(((e, e.self_cpu_time_total if device_type == "CPU" else e.self_device_time_total)
+                    for e in averages if e.device_type.name == device_type
+                    and not e.key.startswith(("Memcpy", "Memset"))), key=lambda et: et[1], reverse=True)
+    return {"per_step": sum(e.count for e, _ in timed) / steps, "us_step": sum(t for _, t in timed) / steps,
+            "top": [[e.key[:120], e.count / steps, t / steps] for e, t in timed[:top]]}
 
 
 def cell(model, cfg: ModelConfig, batch: int, n_bufs: list[int], new: int, repeats: int, device: str,
