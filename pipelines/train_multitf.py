@@ -19,8 +19,9 @@ the step sampler's epoch; Parquet rows redrawn from their stored clean tokens an
 so no pass replays another's masks, as the authors' data transform redraws noise on every access.
 
 Data order on resume: on-the-fly rows are a pure function of (seed, step, rank), so a resumed run trains on
-exactly the rows an uninterrupted one would. Parquet shards are streamed by Ray Data, whose split order is
-not replayable: a resumed run starts a fresh pass over the shards, with the noise of the pass it had reached.
+exactly the rows an uninterrupted one would. So do Parquet shards: Ray Data reads a fixed number of blocks in
+order (`preserve_order`, which also makes the streaming split hand each worker the same rows on any cluster), the
+shuffle buffer is seeded per pass, and a resumed worker skips the micro-batches its pass had already trained on.
 
 Step metrics (rank 0, all-reduced over workers): loss, ce/<layout kind>, ce/slot<i> (slot inside the
 noise-group), masked_tokens, tokens_per_s (tokens of both streams, batch padding excluded), lr; `probe_loss` (the
@@ -71,6 +72,7 @@ from pipelines.train_progress import Progress, follow, one_time_note
 __all__ = ["run_train", "TrainSummary", "main"]  # what other pipelines may use
 
 SHUFFLE_BUFFER_ROWS = 4096  # rows each worker draws its Parquet micro-batches from at random
+READ_BLOCKS = 32  # Parquet blocks of a pass: fixed, so the split is the same whatever the cluster's CPUs
 
 
 class TrainSummary(BaseModel):
@@ -101,22 +103,26 @@ class RowCollate(NumpyBatchCollateFn):
         return collate(rows, **self.kw)
 
 
-def parquet_batches(cfg: TrainConfig, mcfg: ModelConfig, device: torch.device, first_pass: int) -> Iterator[Batch]:
-    """Endless micro-batches of this worker's shard; equal shard sizes keep the workers in step."""
+def parquet_batches(cfg: TrainConfig, mcfg: ModelConfig, device: torch.device, first_pass: int,
+                    skip: int) -> Iterator[Batch]:
+    """Endless micro-batches of this worker's shard, from micro-batch `skip` of pass `first_pass` on (the skipped
+    ones are drawn and dropped: the shuffle buffer's order depends on them); equal shard sizes keep the workers in
+    step."""
     shard = ray.train.get_dataset_shard("train")
     epoch = first_pass
     while True:
-        empty = True
+        drawn = 0
         fn = RowCollate(mcfg, cfg.attention, device, epoch)
         # `mbd expand` writes a sequence's |Lambda| layouts next to each other: without a shuffle buffer a
         # micro-batch would hold the layouts of one or two sequences (measured: MBD-tiny 72.8% -> 80.1% with it)
         for batch in shard.iter_torch_batches(batch_size=cfg.deepspeed.micro_batch_size, collate_fn=fn,
                                               drop_last=True, local_shuffle_buffer_size=SHUFFLE_BUFFER_ROWS,
                                               local_shuffle_seed=cfg.seed + epoch):
-            empty = False
-            yield batch
-        epoch += 1
-        if empty:
+            drawn += 1
+            if drawn > skip:
+                yield batch
+        epoch, skip = epoch + 1, 0
+        if not drawn:
             raise ValueError(f"data.parquet: this worker's shard has fewer than micro_batch_size="
                              f"{cfg.deepspeed.micro_batch_size} rows; add data or lower num_workers")
 
@@ -202,7 +208,8 @@ def resumed_step(engine) -> int:
 def worker_batches(config: dict[str, Any], cfg: TrainConfig, mcfg: ModelConfig, device: torch.device,
                    start: int) -> Iterator[Batch]:
     """This worker's micro-batches from step `start + 1` on: rows built on the fly, or its Parquet shard from the
-    pass a resumed run had reached (rows consumed per worker / rows in its shard)."""
+    micro-batch a resumed run had reached (its shard: rows // workers, the streaming split's equal share; a pass:
+    the shard's whole micro-batches)."""
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     if config["sequences"] is not None:
@@ -210,8 +217,8 @@ def worker_batches(config: dict[str, Any], cfg: TrainConfig, mcfg: ModelConfig, 
                             mask_token_id=mcfg.mask_token_id, seed=cfg.seed)
         return on_the_fly_batches(cfg, mcfg, rows, rank, world, start + 1, device)
     ds = cfg.deepspeed
-    per_worker = max(config["parquet_rows"] // world, 1)
-    return parquet_batches(cfg, mcfg, device, start * ds.grad_accum * ds.micro_batch_size // per_worker)
+    per_pass = max(config["parquet_rows"] // world // ds.micro_batch_size, 1)  # 0: parquet_batches refuses it
+    return parquet_batches(cfg, mcfg, device, *divmod(start * ds.grad_accum, per_pass))
 
 
 def train_step(engine, batches: Iterator[Batch], cfg: TrainConfig, mcfg: ModelConfig, device: torch.device,
@@ -330,7 +337,10 @@ def prepare_data(cfg: TrainConfig, mcfg: ModelConfig) -> tuple[dict, Any, list[d
     if cfg.data.parquet is not None:
         if not Path(cfg.data.parquet).exists() and "://" not in cfg.data.parquet:
             raise ConfigError(f"data.parquet: {cfg.data.parquet} does not exist (run `mbd expand` first)")
-        ds = read_parquet(cfg.data.parquet)
+        # read tasks take no CPU: the workers may hold every CPU of the cluster (after a node loss, say), and a
+        # read task waiting for one would stall every worker's shard for good
+        ds = read_parquet(cfg.data.parquet, override_num_blocks=READ_BLOCKS, ray_remote_args={"num_cpus": 0})
+        ds.context.execution_options.preserve_order = True  # the probe: the first n rows, on every run
         probe = ds.take(n)
         return {"train": ds}, None, rows_to_columns(probe), {}
     if not Path(cfg.data.jsonl).is_file():
@@ -345,7 +355,7 @@ def prepare_data(cfg: TrainConfig, mcfg: ModelConfig) -> tuple[dict, Any, list[d
 
 
 def build_trainer(cfg: TrainConfig, config: dict[str, Any], datasets: dict):
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     scaling = ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
@@ -354,8 +364,10 @@ def build_trainer(cfg: TrainConfig, config: dict[str, Any], datasets: dict):
     run = RunConfig(name=cfg.run.name, storage_path=path, storage_filesystem=fs,
                     failure_config=FailureConfig(max_failures=cfg.max_failures),
                     checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints))
+    ingest = DataConfig.default_ingest_options()
+    ingest.preserve_order = True  # the same rows to the same worker on every run: a resumed pass replays them
     return TorchTrainer(train_loop, train_loop_config=config, scaling_config=scaling, run_config=run,
-                        datasets=datasets or None)
+                        datasets=datasets or None, dataset_config=DataConfig(execution_options=ingest))
 
 
 def run_train(cfg: TrainConfig, show_progress: bool = True) -> TrainSummary:

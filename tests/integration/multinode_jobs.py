@@ -49,18 +49,21 @@ def marked_nodes(output_dir: str) -> list[str]:
 # ---------------------------------------------------------------- training
 
 STEP_DELAY_S = 0.5
-_batches = train_multitf.on_the_fly_batches
+_batches = train_multitf.worker_batches
 _loop = train_multitf.train_loop
 
 
-def _slow_batches(cfg: TrainConfig, mcfg, rows, rank: int, world: int, first_step: int, device):
-    """The trainer's micro-batches, each a little later, leaving a marker `<rank>.<step>.<pid>` in
-    `<run dir>.steps/` as each step's first micro-batch is drawn."""
+def _slow_batches(config: dict, cfg: TrainConfig, mcfg, device, start: int):
+    """The trainer's micro-batches (on the fly or from Parquet), each a little later, leaving a marker
+    `<rank>.<step>.<pid>` in `<run dir>.steps/` as each step's first micro-batch is drawn."""
+    import ray
+
     marks = Path(cfg.run.run_dir + ".steps")
     marks.mkdir(parents=True, exist_ok=True)
-    for i, batch in enumerate(_batches(cfg, mcfg, rows, rank, world, first_step, device)):
+    rank = ray.train.get_context().get_world_rank()
+    for i, batch in enumerate(_batches(config, cfg, mcfg, device, start)):
         if i % cfg.deepspeed.grad_accum == 0:
-            (marks / f"{rank}.{first_step + i // cfg.deepspeed.grad_accum}.{os.getpid()}").touch()
+            (marks / f"{rank}.{start + 1 + i // cfg.deepspeed.grad_accum}.{os.getpid()}").touch()
         time.sleep(STEP_DELAY_S)
         yield batch
 
@@ -75,7 +78,7 @@ def loop_marking_node(config: dict) -> None:
     marks.mkdir(parents=True, exist_ok=True)
     rank = ray.train.get_context().get_world_rank()
     (marks / f"{rank}.{ray.get_runtime_context().get_node_id()}.{os.getpid()}").touch()
-    train_multitf.on_the_fly_batches = _slow_batches
+    train_multitf.worker_batches = _slow_batches
     _loop(config)
 
 

@@ -4,7 +4,9 @@ and exported weights are those of the uninterrupted run (the single-process refe
 re-run with the same RunConfig(name, storage_path) and more steps continues where the run stopped, and `mbd export`
 of its latest checkpoint gives the weights it exported. The run takes the pretraining path (block-diffusion TF
 layouts, random scheduler, SDAR's weighted CE); test_train_multitf runs MultiTF layouts. A worker that raises
-instead of being lost takes the same restart (Ray Train's failure policy): test_train_fault, `slow`."""
+instead of being lost takes the same restart (Ray Train's failure policy): test_train_fault, `slow`. The same node
+loss while training from `mbd expand`'s Parquet rows, which leaves no free CPU for Ray Data's read tasks, finishes
+too."""
 
 import json
 import threading
@@ -17,8 +19,9 @@ import torch
 
 from mbd.model import load_checkpoint
 from pipelines import train_multitf
+from pipelines.expand_layouts import ExpandConfig, run_expand
 from pipelines.export import main as export_main
-from pipelines.train_multitf import run_train
+from pipelines.train_multitf import TrainSummary, run_train
 from tests.integration.multinode_jobs import loop_marking_node, steps_started, worker_nodes
 from tests.integration.train_helpers import make_model_and_corpus, reference_run, step_losses, train_config
 
@@ -38,15 +41,17 @@ def checkpointed_steps(run_dir: Path) -> list[int]:
     return sorted(int(r["metrics"]["step"]) for r in results)
 
 
-def test_training_on_two_nodes_survives_losing_one(multinode, tmp_path, monkeypatch):
-    model_dir, corpus = make_model_and_corpus(tmp_path)
-    cfg = train_config("nodes", tmp_path / "runs", model_dir, corpus, steps=STEPS, checkpoint_every=EVERY,
-                       max_failures=1, cpus_per_worker=1, deepspeed__grad_accum=1,
-                       layouts={"mode": "tf", "gmax": 2, "scheduler": {"name": "random"}},
-                       objective={"name": "sdar_weighted_ce"})
-    run_dir = tmp_path / "runs" / "nodes"
-    cluster = multinode(workers=(1, 1))  # three 1-CPU nodes: two 1-CPU workers cannot share one
+def run_losing_a_worker_node(multinode, cfg, monkeypatch, expand: Path | None = None) -> TrainSummary:
+    """Runs `cfg` on three 1-CPU nodes (two 1-CPU workers cannot share one) and removes a worker's node once Ray
+    Train has registered a checkpoint; asserts what every data path must give: two ranks on two nodes, a new group
+    on the nodes left that resumed from the last registered checkpoint, every step after it logged once.
+    `expand`: a corpus that `mbd expand` turns into cfg.data.parquet on this cluster first."""
+    run_dir = Path(cfg.run.run_dir)
+    cluster = multinode(workers=(1, 1))
     monkeypatch.setattr(train_multitf, "train_loop", loop_marking_node)
+    if expand is not None:
+        run_expand(ExpandConfig(inputs=[str(expand)], output_dir=str(Path(cfg.data.parquet).parent),
+                                model_dir=cfg.model_path, max_length=cfg.data.max_length, gmax=2, n_rand=1))
     outcome = {}
     fit = threading.Thread(target=lambda: outcome.update(summary=run_train(cfg, show_progress=False)), daemon=True)
     t0 = time.monotonic()
@@ -78,10 +83,21 @@ def test_training_on_two_nodes_survives_losing_one(multinode, tmp_path, monkeypa
     started = steps_started(str(run_dir))
     new_pids = set(started) - {pid for pid, steps in started.items() if min(steps) == 1}
     resumed_from = min(min(started[p]) for p in new_pids) - 1
-    assert resumed_from >= max(at_removal) and resumed_from % EVERY == 0  # the last registered checkpoint
-    tail = list(range(resumed_from + 1, STEPS + 1))  # the new group's steps, each logged once
+    assert resumed_from >= max(at_removal) and resumed_from % cfg.checkpoint_every == 0  # the last registered one
+    tail = list(range(resumed_from + 1, cfg.steps + 1))  # the new group's steps, each logged once
     head = log[: len(log) - len(tail)]  # the first group's, some perhaps run again after the loss
     assert log[len(head):] == tail and head == list(range(1, len(head) + 1)) and len(head) >= resumed_from
+    return summary
+
+
+def test_training_on_two_nodes_survives_losing_one(multinode, tmp_path, monkeypatch):
+    model_dir, corpus = make_model_and_corpus(tmp_path)
+    cfg = train_config("nodes", tmp_path / "runs", model_dir, corpus, steps=STEPS, checkpoint_every=EVERY,
+                       max_failures=1, cpus_per_worker=1, deepspeed__grad_accum=1,
+                       layouts={"mode": "tf", "gmax": 2, "scheduler": {"name": "random"}},
+                       objective={"name": "sdar_weighted_ce"})
+    run_dir = tmp_path / "runs" / "nodes"
+    summary = run_losing_a_worker_node(multinode, cfg, monkeypatch)
     losses = step_losses(summary.history)
     for step, values in losses.items():  # a step run twice: same weights, optimizer state and rows
         assert values == pytest.approx([values[0]] * len(values), rel=1e-6)
@@ -100,3 +116,32 @@ def test_training_on_two_nodes_survives_losing_one(multinode, tmp_path, monkeypa
     cli, _ = load_checkpoint(tmp_path / "cli")
     final, _ = load_checkpoint(rerun.export_dir)
     assert all(torch.equal(a, b) for a, b in zip(cli.state_dict().values(), final.state_dict().values()))
+
+
+def test_training_from_parquet_on_two_nodes_survives_losing_one(multinode, tmp_path, monkeypatch):
+    """The same loss with `mbd expand`'s Parquet rows. After it the two workers hold every CPU of the cluster, and
+    Ray Data's read tasks for the new group's shards take none (a read task that waited for a CPU stalled the run
+    for good). The new group's workers skip the micro-batches their pass had trained on, so every step's loss and
+    the exported weights are those of an uninterrupted run of the same config, here on the two nodes left (two CPUs
+    where the first run had three: Ray Data's split must not depend on the cluster's size). 6 sequences x 3 layouts
+    = 9 rows per worker, 4 micro-batches of 2 per pass: the run crosses into a second pass, so a resume may land in
+    either."""
+    model_dir, corpus = make_model_and_corpus(tmp_path, records=6)
+    cfg = train_config("nodes", tmp_path / "runs", model_dir, corpus, steps=STEPS, checkpoint_every=EVERY,
+                       max_failures=1, cpus_per_worker=1, deepspeed__grad_accum=1)
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"jsonl": None,
+                                                                     "parquet": str(tmp_path / "expanded" / "rows")})})
+    summary = run_losing_a_worker_node(multinode, cfg, monkeypatch, expand=corpus)
+    losses = step_losses(summary.history)
+    monkeypatch.undo()
+    ref = run_train(cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": "ref"})}), show_progress=False)
+    ref_losses = step_losses(ref.history)
+    assert sorted(losses) == sorted(ref_losses) == list(range(1, STEPS + 1))
+    for step, values in losses.items():  # a step run twice or by the uninterrupted run: the same rows
+        assert values == pytest.approx([ref_losses[step][0]] * len(values), rel=1e-6), step
+    initial = [[m["probe_loss"] for m in h if m["step"] == 0] for h in (summary.history, ref.history)]
+    assert initial[0] == initial[1] and len(initial[0]) == 1  # the probe: the same first rows of the data
+    exported, _ = load_checkpoint(summary.export_dir)
+    reference, _ = load_checkpoint(ref.export_dir)
+    for (name, a), b in zip(exported.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
