@@ -36,6 +36,7 @@ default), so a report every step capped training at one step per poll (measured:
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -364,8 +365,10 @@ def build_trainer(cfg: TrainConfig, config: dict[str, Any], datasets: dict):
     run = RunConfig(name=cfg.run.name, storage_path=path, storage_filesystem=fs,
                     failure_config=FailureConfig(max_failures=cfg.max_failures),
                     checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints))
-    ingest = DataConfig.default_ingest_options()
-    ingest.preserve_order = True  # the same rows to the same worker on every run: a resumed pass replays them
+    # the session's options (as Ray Train's default takes them, without its deprecation warning), in order: the same
+    # rows to the same worker on every run, so a resumed pass replays them
+    ingest = copy.deepcopy(ray.data.DataContext.get_current().execution_options)
+    ingest.preserve_order = True
     return TorchTrainer(train_loop, train_loop_config=config, scaling_config=scaling, run_config=run,
                         datasets=datasets or None, dataset_config=DataConfig(execution_options=ingest))
 
