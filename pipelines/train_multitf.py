@@ -340,7 +340,7 @@ def prepare_data(cfg: TrainConfig, mcfg: ModelConfig) -> tuple[dict, Any, list[d
             raise ConfigError(f"data.parquet: {cfg.data.parquet} does not exist (run `mbd expand` first)")
         # read tasks take no CPU: the workers may hold every CPU of the cluster (after a node loss, say), and a
         # read task waiting for one would stall every worker's shard for good
-        ds = read_parquet(cfg.data.parquet, override_num_blocks=READ_BLOCKS, ray_remote_args={"num_cpus": 0})
+        ds = read_parquet(cfg.data.parquet, override_num_blocks=READ_BLOCKS, num_cpus=0)
         ds.context.execution_options.preserve_order = True  # the probe: the first n rows, on every run
         probe = ds.take(n)
         return {"train": ds}, None, rows_to_columns(probe), {}
