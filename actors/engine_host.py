@@ -42,8 +42,8 @@ from typing import AsyncIterator, Callable, Sequence
 import ray
 
 from actors.launch import end_workers, launch
-from actors.messages import (Abort, Add, AskStats, EngineDead, Failed, RequestQuarantined, Running, StatsReply,
-                             Stepped, Stop, ToEngine)
+from actors.messages import (Abort, Add, AskStats, EngineDead, Failed, RequestFailed, RequestQuarantined, Running,
+                             StatsReply, Stepped, Stop, ToEngine)
 from actors.streams import Counts, Exited, Next, Stream, hand_over
 from actors.supervisor import EngineRestarts, convicted, died_by_itself, exit_status, rank_lost
 from actors.trace import Trace
@@ -400,6 +400,8 @@ class EngineHost:
                 for it in items[1:]:
                     out = out.merge(it)
                 finished = out.finished
+                if out.finish_reason == "error":
+                    raise RequestFailed(out.error)
                 yield out
         finally:
             if not finished:

@@ -36,6 +36,11 @@ class RequestQuarantined(RuntimeError):
     is not run again, here or on another replica (it would take that engine down as well)."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine ended this request alone (finish_reason "error", e.g. no valid distribution to sample from):
+    the step and every other request went on. Not retried: the same request would fail the same way."""
+
+
 # ---- replica -> engine process (and rank 0 -> ranks 1..) ----
 
 

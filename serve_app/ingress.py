@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from actors.messages import RequestQuarantined
+from actors.messages import RequestFailed, RequestQuarantined
 from actors.trace import Trace
 from mbd.checkpoint_files import read_model_config
 from mbd.config import DecodeConfig
@@ -249,7 +249,7 @@ class OpenAIIngress:
                     f[0].cancel()
             if isinstance(_root(failed), RequestError):  # the engine's check: a constraint it cannot honour
                 raise bad_request(_root(failed)) from failed
-            if isinstance(_root(failed), RequestQuarantined):  # not retried: it may be what kills engines
+            if isinstance(_root(failed), (RequestQuarantined, RequestFailed)):  # not retried: it would fail again
                 raise internal(str(_root(failed))) from failed
             retry = self.cfg.decoder.retry_after_s
             if isinstance(failed, BackPressureError):

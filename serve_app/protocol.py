@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
 from serve_app.schema_rules import PROMPT_RULE, SHARED_CHECKS, Int, Seed, needs, server_checks
 
@@ -49,7 +49,15 @@ ZERO_ONLY = "only 0 (no penalty): a diffusion LM decodes blocks in parallel, so 
 
 
 class StrictRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # JSON has no NaN or Infinity: Python's json module reads them, the schema's "number" does not admit them
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _json_bool(v: Any) -> Any:
+    """A literal boolean is a JSON boolean: Literal[False] alone compares by ==, so 0 would pass as false."""
+    if not isinstance(v, bool):
+        raise ValueError("must be a boolean")
+    return v
 
 
 class StreamOptions(StrictRequest):
@@ -150,7 +158,7 @@ class CompletionRequest(SamplingFields):
     model_config = server_checks(prompt=PROMPT_RULE)
     prompt: prompt_type()  # type: ignore[valid-type]
     logprobs: Int(ge=0, le=20) | None = None
-    echo: Literal[False] = Field(default=False, description="only false: a diffusion LM does not score its prompt")
+    echo: Annotated[Literal[False], BeforeValidator(_json_bool)] = Field(default=False, description="only false: a diffusion LM does not score its prompt")
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None

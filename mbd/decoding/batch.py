@@ -59,3 +59,4 @@ class RowOutput:
     fix: RowFix | None = None  # a constrained row: its counts after the grammar settled it
     top: list[tuple[int, list[tuple[int, float]]]] | None = None  # (buffer position, top (id, logprob)) per logit
     confident: list[int] | None = None  # [slots] 1 where every position was confident (DMax's early commit)
+    failed: bool = False  # an ACTIVE position had no valid distribution: the request ends with an error

@@ -52,6 +52,9 @@ from mbd.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineStats", "GenerationResult", "StepOutput"]
 
+NO_DISTRIBUTION = ("no valid distribution at a decoding position: the model's logits there are not finite or "
+                   "every token is excluded; this request ends, the others go on")
+
 
 class Engine:
     def __init__(self, model: nn.Module, tokenizer: Tokenizer | None, decode: DecodeConfig,
@@ -192,6 +195,10 @@ class Engine:
         """One request after a forward: which slots became final (emitted), commit the re-run TO_CACHE slots,
         then the policy's plan (finish, activate the next slot)."""
         B = self.block
+        if out.failed:
+            req.nfe += 1
+            req.n_res = req.n_tc = 0
+            return self._finish(req, "error", [], NO_DISTRIBUTION)
         filled, unchanged = self.policy.counts(out.masked_in, out.accepted, out.revised, out.confident)
         if out.fix is not None:
             filled, unchanged = merge_counts(out.fix, filled, unchanged)
@@ -255,12 +262,12 @@ class Engine:
         req.output.extend(ids)
         return ids
 
-    def _finish(self, req: Request, reason: str, new: list[int]) -> StepOutput:
+    def _finish(self, req: Request, reason: str, new: list[int], error: str | None = None) -> StepOutput:
         req.finish_reason = reason
         req.t_finished = time.perf_counter()
         self.scheduler.finish(req)
         return StepOutput(req.id, new, True, reason, req.nfe, req.num_generated, self._logprobs(req, new),
-                          self._top(req, new), req.cached_tokens or 0)
+                          self._top(req, new), req.cached_tokens or 0, error=error)
 
     @staticmethod
     def _top(req: Request, new: list[int]) -> list[list[tuple[int, float]]] | None:

@@ -16,7 +16,7 @@ class StepOutput:
     request_id: str
     new_token_ids: list[int]  # tokens that became final in this step
     finished: bool
-    finish_reason: str | None  # "eos" | "length" | "max_nfe" | "abort" | None
+    finish_reason: str | None  # "eos" | "length" | "max_nfe" | "abort" | "error" | None
     nfe: int
     num_generated: int
     new_logprobs: list[float] | None = None  # with params.logprobs: the log-probability of each new token
@@ -25,6 +25,7 @@ class StepOutput:
     # with params.provisional: the resident tokens after the final ones (masks included), per block (the first may
     # be partial: a prompt's tail), from the end of the output so far; None when not asked for
     provisional: list[list[int]] | None = None
+    error: str | None = None  # finish_reason "error": why this request (alone) could not go on
 
     def merge(self, later: "StepOutput") -> "StepOutput":
         """This output and the `later` one of the same request as one: what several steps produced, for a reader
@@ -33,7 +34,7 @@ class StepOutput:
         tops = None if later.new_top_logprobs is None else (self.new_top_logprobs or []) + later.new_top_logprobs
         return StepOutput(self.request_id, self.new_token_ids + later.new_token_ids, later.finished,
                           later.finish_reason, later.nfe, later.num_generated, lps, tops, later.cached_tokens,
-                          later.provisional)
+                          later.provisional, later.error)
 
 
 class GenerationResult(BaseModel):

@@ -53,6 +53,7 @@ class Decision:
     revised: torch.Tensor | None  # [R, S] positions replaced by T2T (None: T2T off in the whole batch)
     conf: torch.Tensor | None = None  # [R, Q] probability of each position's prediction (see `predict`)
     confident: torch.Tensor | None = None  # [R, S] 1 where every position was confident (DMax's early commit)
+    failed: torch.Tensor | None = None  # [R, 1] 1 where an ACTIVE position had no valid distribution (`predict`)
 
 
 class Kept(NamedTuple):
@@ -95,17 +96,29 @@ class Sampler:
         return torch.Generator(device=self.generator.device).manual_seed(seed)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """[Q, V] logits -> the distribution this row samples from."""
-        z = logits.float() / self.temperature
+        """[Q, V] logits -> the distribution this row samples from: a valid one for every setting the schema
+        admits (temperature 0 < t <= max, even denormal; top_p in (0, 1], even denormal; any top_k), because
+        the row's best token always keeps its mass. Only a position with no finite logit at all (a grammar or
+        a model that left nothing) has none: its row is zeros, and `Policy.predict` fails that request."""
+        z = logits.float()
+        ok = torch.isfinite(z)  # -inf: the mask token or a grammar's ban; NaN / +inf: a broken forward
+        z = torch.where(ok, z, float("-inf"))
+        top = z.amax(-1, keepdim=True)
+        # shifted so the best token sits at 0: a temperature that underflows float32 (0) or overflows it (inf)
+        # then gives -inf / -0 for the others and exactly 0 for the best, never 0/0
+        gap = (z - top).clamp_min(torch.finfo(z.dtype).min)  # <= 0 and finite where allowed (not -inf)
+        z = torch.where(z == top, 0.0, gap / self.temperature)
+        z = torch.where(ok, z, float("-inf"))
         if 0 < self.top_k < z.shape[-1]:
             kth = z.topk(self.top_k, -1).values[:, -1:]
             z = z.masked_fill(z < kth, float("-inf"))
-        p = z.softmax(-1)
+        p = torch.where(ok.any(-1, keepdim=True), z.softmax(-1), 0.0)
         if self.top_p < 1.0:
             sp, idx = p.sort(-1, descending=True)
             drop = (sp.cumsum(-1) - sp) >= self.top_p  # mass before a token already reaches top_p
+            drop[:, 0] = False  # the most probable token is always kept (a top_p that rounds to 0 keeps it alone)
             p = p.scatter(-1, idx, sp.masked_fill(drop, 0.0))
-            p = p / p.sum(-1, keepdim=True)
+            p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
         return p
 
 
@@ -152,18 +165,23 @@ class Policy:
                 revise &= ~fixed
             new = torch.where(revise, x0, new)
             revised = revise.view(R, S, B).sum(-1)
-        return Decision(new, masked_in, accept.sum(-1), revised, conf)
+        return Decision(new, masked_in, accept.sum(-1), revised, conf, failed=_failed(conf, active))
 
     def predict(self, logits: torch.Tensor, samplers: list[Sampler] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """(confidence, predicted token) [R, Q] of every position; the mask token is never predicted
-        (`logits` is modified in place)."""
+        (`logits` is modified in place). A position with no valid distribution (no finite logit, or its
+        sampler failed) has confidence NaN: `update` reports its row as failed rather than the step dying."""
         logits.select(-1, self.mask_id).fill_(float("-inf"))
         conf, x0 = logits.float().softmax(-1).max(-1)
         for s in samplers:
-            p = s.probs(logits[s.row])
-            x = torch.multinomial(p, 1, generator=s.step_generator())
-            x0[s.row] = x[:, 0]
-            conf[s.row] = p.gather(1, x)[:, 0]
+            try:
+                p = s.probs(logits[s.row])
+                empty = p.sum(-1) == 0
+                x = torch.multinomial(p.masked_fill(empty[:, None], 1.0), 1, generator=s.step_generator())
+                x0[s.row] = x[:, 0]
+                conf[s.row] = p.gather(1, x)[:, 0].masked_fill(empty, float("nan"))
+            except RuntimeError:  # one request's sampling is that request's error, never the engine's
+                conf[s.row] = float("nan")
         return conf, x0
 
     def counts(self, masked_in: list[int], accepted: list[int], revised: list[int] | None,
@@ -253,7 +271,8 @@ class DMaxPolicy(Policy):
             revise &= ~fixed
         new = torch.where(revise, x0, new)
         confident = torch.where(masked, c, 1.0).ge(self.DMAX_CONFIDENT).all(-1).long()
-        return Decision(new, masked.sum(-1), accept.sum(-1), revise.view(R, S, B).sum(-1), conf, confident)
+        return Decision(new, masked.sum(-1), accept.sum(-1), revise.view(R, S, B).sum(-1), conf, confident,
+                        _failed(conf, (state == ACTIVE).unsqueeze(-1)))
 
     def counts(self, masked_in: list[int], accepted: list[int], revised: list[int] | None,
                confident: list[int] | None = None) -> tuple[list[int], list[Kept]]:
@@ -268,6 +287,12 @@ class DMaxPolicy(Policy):
         while k < n_res and filled[k] == self.block and (unchanged[k].kept == self.block or unchanged[k].confident):
             k += 1
         return k
+
+
+def _failed(conf: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """[R, 1]: rows with a NaN confidence (no valid distribution) at a position of an ACTIVE slot."""
+    R, S = active.shape[:2]
+    return (conf.isnan().view(R, S, -1) & active).flatten(1).any(-1, keepdim=True)
 
 
 def policy_for(strategy: str) -> type[Policy]:

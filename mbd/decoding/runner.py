@@ -56,7 +56,8 @@ from mbd.model.tp import SINGLE
 
 log = logging.getLogger("mbd.engine")
 
-SPAN_MIN = 64  # sdpa spans are multiples of 64 up to 4 * SPAN_MIN, then four per octave
+SPAN_MIN = 64
+LOGPROB_FLOOR = -9999.0  # reported for a token the distribution excludes (JSON has no -inf; vLLM's floor too)  # sdpa spans are multiples of 64 up to 4 * SPAN_MIN, then four per octave
 
 
 def span_bucket(need: int, size: int) -> int:
@@ -162,7 +163,7 @@ class ModelRunner:
                 filled = (tokens.gather(1, idx) == buf.mask_id) & (dec.tokens != buf.mask_id)
                 merge = merge.scatter(1, idx, torch.where(filled, dec.conf.float(), 1.0))
             fields = {"masked_in": dec.masked_in, "accepted": dec.accepted, "revised": dec.revised,
-                      "confident": dec.confident, "before": tokens if guided else None}
+                      "confident": dec.confident, "failed": dec.failed, "before": tokens if guided else None}
             tokens = updated
         fields["states"] = buf.state[:b] if batch.trace else None  # forward-time states
         summary = StepSummary({"tokens": tokens, **fields})  # the step's single device -> host transfer
@@ -203,7 +204,7 @@ class ModelRunner:
 
         return RowOutput(summary.row(req.row, "tokens"), per_slot("masked_in", B), per_slot("accepted", 0),
                          per_slot("revised", 0, batch.t2t), summary.row(req.row, "states"), conf, fix, top,
-                         per_slot("confident", 0, batch.t2t))
+                         per_slot("confident", 0, batch.t2t), summary.row(req.row, "failed") == [1])
 
     # ----------------------------------------------------------------- device state
     def sync(self, layout: list[RowLayout]) -> None:
@@ -383,6 +384,6 @@ def top_logprobs(logits: torch.Tensor, idx: torch.Tensor, batch: DecodeBatch) ->
     lp = logits.float().log_softmax(-1)
     for s in batch.samplers:
         lp[s.row] = s.probs(logits[s.row]).log()
-    vals, ids = lp.topk(k, -1)
+    vals, ids = lp.nan_to_num(nan=LOGPROB_FLOOR).clamp_min(LOGPROB_FLOOR).topk(k, -1)
     return [list(zip(pos, ([list(zip(i, v)) for i, v in zip(ri, rv)])))
             for pos, ri, rv in zip(idx.tolist(), ids.tolist(), vals.tolist())]
