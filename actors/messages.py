@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from mbd.config import DecodeConfig, EngineConfig
     from mbd.decoding.constraint_spec import ConstraintSpec
     from mbd.decoding.outputs import StepOutput
+    from mbd.decoding.resume import Resume
     from mbd.decoding.model_spec import ModelSpec
     from mbd.decoding.validate import EngineLimits, RequestError
 
@@ -57,12 +58,14 @@ class Start:
 
 @dataclass(frozen=True, slots=True)
 class Add:
-    """Admit a request (`Engine.add_request`); sent again to a new engine process after a restart."""
+    """Admit a request (`Engine.add_request`); sent again to a new engine process after a restart, then with
+    `resumed` once its client has tokens (the new engine goes on from them: `mbd.decoding.resume`)."""
 
     request_id: str
     prompt_ids: list[int]
     params: DecodeConfig
     constraint: ConstraintSpec | None = None
+    resumed: Resume | None = None
 
 
 @dataclass(frozen=True, slots=True)

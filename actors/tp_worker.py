@@ -71,7 +71,7 @@ class Lockstep:
             if isinstance(op, Add):
                 try:
                     self.engine.add_request(op.prompt_ids, op.params, request_id=op.request_id,
-                                            constraint=op.constraint)
+                                            constraint=op.constraint, resumed=op.resumed)
                     self.live.add(op.request_id)
                 except ValueError as e:  # RequestError, or ConstraintError (which names its field too)
                     refused.append(Refusal(op.request_id, e if isinstance(e, RequestError) else

@@ -41,6 +41,7 @@ from mbd.decoding.cache_manager import CacheManager
 from mbd.decoding.constraints import ConstraintSpec, GrammarVocab
 from mbd.decoding.guided import Guide, merge_counts
 from mbd.decoding.outputs import EngineStats, GenerationResult, StepOutput
+from mbd.decoding import resume
 from mbd.decoding.policy import policy_for
 from mbd.decoding.runner import ModelRunner
 from mbd.decoding.scheduler import Scheduler
@@ -112,12 +113,13 @@ class Engine:
         return self.runner.guide
 
     def add_request(self, prompt_ids: list[int], params: Params = None, request_id: str | None = None,
-                    constraint: ConstraintSpec | None = None) -> str:
-        """Queue a request; `constraint`: structured output (what it may commit)."""
-        return self._add(prompt_ids, params, request_id, constraint).id
+                    constraint: ConstraintSpec | None = None, resumed: resume.Resume | None = None) -> str:
+        """Queue a request; `constraint`: structured output (what it may commit); `resumed`: go on from where
+        another engine's stream of it stands (`mbd.decoding.resume`)."""
+        return self._add(prompt_ids, params, request_id, constraint, resumed).id
 
     def _add(self, prompt_ids: Sequence[int], params: Params, request_id: str | None,
-             constraint: ConstraintSpec | None = None) -> Request:
+             constraint: ConstraintSpec | None = None, resumed: resume.Resume | None = None) -> Request:
         ids, p = self.check_request(prompt_ids, params, constraint)
         req = Request(request_id or uuid.uuid4().hex, ids, p, self.block,
                       semi_max_masked=self.policy.semi_max_masked(p.tau_semi))
@@ -130,6 +132,8 @@ class Engine:
         if p.logprobs:
             req.logprobs = {}
             req.top_logprobs = {} if p.top_logprobs else None
+        if resumed is not None:
+            resume.apply(req, resumed, self.block)
         self.scheduler.add(req)
         return req
 
@@ -224,9 +228,12 @@ class Engine:
                                 eos_seen=eos_seen, nfe=req.nfe, committed=req.committed)
         req.n_res, req.n_tc = n_res - pre_tc + plan.activate, post_tc - pre_tc
         if plan.finish is None:
+            # none once the output ended (a stop token, the length limit) while its last blocks are stored
+            whole = new and len(req.known) == req.prompt_len + len(req.output)
+            ckpt = resume.take(req, toks[pre_tc * B: n_res * B]) if whole else None
             return StepOutput(req.id, new, False, None, req.nfe, req.num_generated, self._logprobs(req, new),
                               self._top(req, new), req.cached_tokens or 0,
-                              self._provisional(req, toks, base, post_tc, n_res))
+                              self._provisional(req, toks, base, post_tc, n_res), checkpoint=ckpt)
         if plan.finish == "max_nfe":
             new = new + self._emit_partial(req, toks, base, post_tc, n_res)
         req.n_res = req.n_tc = 0

@@ -5,8 +5,12 @@ lifetime (`EngineStats`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from mbd.decoding.resume import Checkpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +30,8 @@ class StepOutput:
     # be partial: a prompt's tail), from the end of the output so far; None when not asked for
     provisional: list[list[int]] | None = None
     error: str | None = None  # finish_reason "error": why this request (alone) could not go on
+    # after a step that emitted tokens to a request that goes on: where a new engine can resume it exactly
+    checkpoint: "Checkpoint | None" = None
 
     def merge(self, later: "StepOutput") -> "StepOutput":
         """This output and the `later` one of the same request as one: what several steps produced, for a reader
@@ -34,7 +40,8 @@ class StepOutput:
         tops = None if later.new_top_logprobs is None else (self.new_top_logprobs or []) + later.new_top_logprobs
         return StepOutput(self.request_id, self.new_token_ids + later.new_token_ids, later.finished,
                           later.finish_reason, later.nfe, later.num_generated, lps, tops, later.cached_tokens,
-                          later.provisional, later.error)
+                          later.provisional, later.error,
+                          later.checkpoint if later.new_token_ids else self.checkpoint)
 
 
 class GenerationResult(BaseModel):
