@@ -23,13 +23,14 @@ from mbd.eval.report import CellMetrics, Method, MethodRow, method_rows
 from mbd.eval.sweep import ResultStore
 from mbd.multitf.schedulers import SchedulerConfig
 
-__all__ = ["DEFAULT_CONFIG", "BENCHMARK", "SINGLEBD", "MULTIBD_TF", "MethodSpec", "QuickstartConfig", "ExpandSection",
+__all__ = ["DEFAULT_CONFIG", "BENCHMARK", "DEV_BENCHMARK", "SINGLEBD", "MULTIBD_TF", "MethodSpec", "QuickstartConfig", "ExpandSection",
            "ClaimSeeds", "load_config", "Stages", "write_corpus", "expand_stage", "train_config", "train_stage",
            "point_name", "sweep_config", "as_methods", "rows_of", "tps_stage", "curves_of", "section_title",
            "overrides_of"]
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "quickstart.yaml"
-BENCHMARK = "tinymath"
+BENCHMARK = "tinymath"  # the held-out split: the registered test, judged once
+DEV_BENCHMARK = "tinymath-dev"  # the dev split: where recipes, thresholds and steps are chosen
 SINGLEBD, MULTIBD_TF = "SingleBD (Native)", "MultiBD (training-free)"
 MethodSpec = tuple[str, str, str, str]  # (label, key, decode YAML, model name)
 
@@ -240,10 +241,12 @@ def overrides_of(cfg: QuickstartConfig, path: str, operating: bool) -> list[dict
 
 
 def sweep_config(cfg: QuickstartConfig, out: Path, models: Sequence[tuple[str, Path]],
-                 methods: Sequence[MethodSpec], problems: int | None = None, operating: bool = False):
+                 methods: Sequence[MethodSpec], problems: int | None = None, operating: bool = False,
+                 benchmark: str = BENCHMARK):
     """SweepConfig over `models` (name, path) and `methods` (label, key, decode YAML, model name) on the first
-    `problems` (default eval.problems) held-out problems: one AUP curve per method, its points being
-    `eval.curve` applied to the method's decode YAML (`operating`: the operating point only)."""
+    `problems` (default eval.problems) problems of `benchmark` (held-out; DEV_BENCHMARK for tuning): one AUP curve
+    per method, its points being `eval.curve` applied to the method's decode YAML (`operating`: the operating
+    point only)."""
     from mbd.eval.sweep import SweepConfig
 
     decoding = [{"name": point_name(key, o), "config": str(resolve_path(path)), "overrides": o, "curve": label,
@@ -251,7 +254,7 @@ def sweep_config(cfg: QuickstartConfig, out: Path, models: Sequence[tuple[str, P
     return SweepConfig.model_validate({
         "name": out.parent.name, "output_dir": str(out),
         "models": [{"name": n, "path": str(p), "section": "tiny"} for n, p in models],
-        "decoding": decoding, "benchmarks": [{"name": BENCHMARK, "limit": problems or cfg.eval.problems}],
+        "decoding": decoding, "benchmarks": [{"name": benchmark, "limit": problems or cfg.eval.problems}],
         "engine": {"device": "cpu", "max_batch_rows": cfg.eval.batch_size}, "trace_problems": cfg.eval.trace_problems,
         "workers": 1, "cpus_per_worker": 1, "cpus_per_scorer": 0.5,
     })
@@ -269,14 +272,14 @@ def rows_of(cfg: QuickstartConfig, cells: Sequence[CellMetrics],
 
 
 def curves_of(cfg: QuickstartConfig, store: Path, methods: Sequence[MethodSpec], problems: int | None = None,
-              operating: bool = False) -> dict[str, Curve]:
+              operating: bool = False, benchmark: str = BENCHMARK) -> dict[str, Curve]:
     """Per-problem records of each method's curve (`operating`: its operating point only) stored under `store`, on
-    the first `problems` (default eval.problems) held-out problems."""
+    the first `problems` (default eval.problems) problems of `benchmark`."""
     from mbd.eval.benchmarks import get_benchmark
 
-    ids = [p.problem_id for p in get_benchmark(BENCHMARK).load(limit=problems or cfg.eval.problems)]
+    ids = [p.problem_id for p in get_benchmark(benchmark).load(limit=problems or cfg.eval.problems)]
     results = ResultStore(store)
-    return {m.label: load_curve(results, m, BENCHMARK, ids) for m in as_methods(cfg, methods, operating)}
+    return {m.label: load_curve(results, m, benchmark, ids) for m in as_methods(cfg, methods, operating)}
 
 
 def tps_stage(cfg: QuickstartConfig, sweep, methods: Sequence[MethodSpec],

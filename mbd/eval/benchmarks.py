@@ -301,7 +301,7 @@ def mbpp_deserialize_inputs(task_id: str, inputs: list[list]) -> list[list]:
 _REGISTRY: dict[str, Benchmark] = {}
 # Benchmarks that live outside mbd/eval, imported on first use (their module calls `register_benchmark`), so
 # the evaluation core never imports them.
-_LAZY = {"tinymath": "mbd.tiny.benchmark"}
+_LAZY = {"tinymath": "mbd.tiny.benchmark", "tinymath-dev": "mbd.tiny.benchmark"}
 
 
 def register_benchmark(benchmark: Benchmark, replace: bool = False) -> None:

@@ -1,4 +1,5 @@
-"""The `tinymath` benchmark: the tiny task's held-out split behind the evaluation interface.
+"""The `tinymath` benchmark (the tiny task's held-out split, the registered test) and `tinymath-dev` (its dev
+split, where every choice is tuned) behind the evaluation interface.
 
 Problems are generated, not read: the held-out split is fixed by construction (mbd.tiny.task), so
 `data_dir` is ignored and the benchmark needs no file. The user prompt is the bare question, exactly the
@@ -13,16 +14,15 @@ from pathlib import Path
 
 from mbd.eval.benchmarks import Kind, Problem, ScoreResult, register_benchmark
 from mbd.eval.math_scoring import normalize_number
-from mbd.tiny.task import generate
+from mbd.tiny.task import Split, generate, split_size
 
 
 class TinyMath:
-    name = "tinymath"
     kind: Kind = "math"
 
-    def __init__(self, size: int = 10000, seed: int = 0):
-        """`size` held-out problems drawn with `seed`; `load(limit=k)` returns their first k."""
-        self.size, self.seed = size, seed
+    def __init__(self, size: int = 10000, seed: int = 0, split: Split = "heldout", name: str = "tinymath"):
+        """`size` problems of `split` drawn with `seed`; `load(limit=k)` returns their first k."""
+        self.size, self.seed, self.split, self.name = min(size, split_size(split)), seed, split, name
 
     def load(self, data_dir: str | Path | None = None, limit: int | None = None) -> list[Problem]:
         if limit is not None and limit < 0:
@@ -30,7 +30,7 @@ class TinyMath:
         n = self.size if limit is None else min(limit, self.size)
         return [Problem(benchmark=self.name, problem_id=f"{self.name}/{r['question']}", prompt_text=r["question"],
                         reference=str(r["answer"]), solution=r["solution"], metadata=r["fields"])
-                for r in generate("heldout", n, self.seed)]
+                for r in generate(self.split, n, self.seed)]
 
     def score(self, problem: Problem, completion_text: str) -> ScoreResult:
         """Exact match of the number after the last `####` (GSM8K's normaliser). Unlike GSM8K there is no
@@ -45,3 +45,4 @@ class TinyMath:
         return ScoreResult(correct=got == gold, extracted=got, detail=f"extracted {got}, gold {gold}")
 
 register_benchmark(TinyMath(), replace=True)
+register_benchmark(TinyMath(size=5000, split="dev", name="tinymath-dev"), replace=True)

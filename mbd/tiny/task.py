@@ -19,10 +19,11 @@ Why this shape (measurements and the full argument are in docs/tiny-task.md):
   The answer does not depend on the order.
 
 The split is a property of the problem, not of the sampling: a hash of its question (its canonical identity)
-puts every problem in exactly one of three parts, so they are disjoint for every seed and n: `pretrain` (the
-base's corpus, `mbd pretrain-tiny`), `posttrain` (the MultiTF corpus of `mbd quickstart` / `mbd reproduce`) and
-`heldout` (the `tinymath` benchmark). A post-training corpus therefore never replays a pretraining record of any
-seed, which a shared pool made happen (docs/reproduce.md).
+puts every problem in exactly one of four parts, so they are disjoint for every seed and n: `pretrain` (the
+base's corpus, `mbd pretrain-tiny`), `posttrain` (the MultiTF corpus of `mbd quickstart` / `mbd reproduce`),
+`dev` (the `tinymath-dev` benchmark: every recipe, threshold and step count is chosen there) and `heldout` (the
+`tinymath` benchmark, the registered test). A post-training corpus therefore never replays a pretraining record
+of any seed, which a shared pool made happen (docs/reproduce.md), and no tuning ever sees a test problem.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ from itertools import product
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-Split = Literal["pretrain", "posttrain", "heldout"]
-SPLITS: tuple[str, ...] = ("pretrain", "posttrain", "heldout")
+Split = Literal["pretrain", "posttrain", "dev", "heldout"]
+SPLITS: tuple[str, ...] = ("pretrain", "posttrain", "dev", "heldout")
 FACTORS = range(2, 10)  # a, b, c, d
 ADJUST = range(1, 10)  # e
 HELDOUT_PER_MILLE = 100  # 10% of all problems are held out (buckets 0-99)
-POSTTRAIN_PER_MILLE = 100  # 10% are the post-training part (buckets 100-199), the other 80% pretraining
+POSTTRAIN_PER_MILLE = 50  # 5% are the post-training part (buckets 100-149)
+DEV_PER_MILLE = 50  # 5% the dev part (buckets 150-199); the other 80% pretraining (200-999)
 ANSWER_PREFIX = "#### "
 COMMUTATIVE = frozenset("*+")
 Step = tuple[int, str, int, int]  # (left, operator, right, result)
@@ -103,11 +105,14 @@ def _apply(x: int, op: str, y: int) -> int:
 
 def split_of(question: str) -> Split:
     """The part whose range of 1000 buckets sha256(question) lands in: held-out first (the same buckets as when
-    the rest was one training split, so the benchmark's problems never moved), then post-training."""
+    the rest was one training split, so the benchmark's problems never moved), then post-training and dev (the
+    old post-training buckets, halved: pretraining never moved either)."""
     bucket = int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "big") % 1000
     if bucket < HELDOUT_PER_MILLE:
         return "heldout"
-    return "posttrain" if bucket < HELDOUT_PER_MILLE + POSTTRAIN_PER_MILLE else "pretrain"
+    if bucket < HELDOUT_PER_MILLE + POSTTRAIN_PER_MILLE:
+        return "posttrain"
+    return "dev" if bucket < HELDOUT_PER_MILLE + POSTTRAIN_PER_MILLE + DEV_PER_MILLE else "pretrain"
 
 
 @lru_cache(maxsize=None)

@@ -1,6 +1,7 @@
-"""The base's pretraining corpus, the post-training corpus and the held-out problems share no problem, for any seed:
-each is drawn from its own hash part of the tinymath space (mbd.tiny.task). Computed through the stages that write
-them (`pretrain_tiny.prepare`, `stages.write_corpus`, the `tinymath` benchmark), over seeds 0-9 on both sides."""
+"""The base's pretraining corpus, the post-training corpus, the dev problems and the held-out problems share no
+problem, for any seed: each is drawn from its own hash part of the tinymath space (mbd.tiny.task). Computed through
+the stages that write them (`pretrain_tiny.prepare`, `stages.write_corpus`, the `tinymath` and `tinymath-dev`
+benchmarks), over seeds 0-9 on both sides."""
 
 import json
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 from mbd.config import ConfigError
 from mbd.eval.benchmarks import get_benchmark
 from pipelines.pretrain_tiny import DEFAULT_CONFIG as PRETRAIN, load_pretrain_config, prepare
-from pipelines.stages import BENCHMARK, DEFAULT_CONFIG, load_config, write_corpus
+from pipelines.stages import BENCHMARK, DEFAULT_CONFIG, DEV_BENCHMARK, load_config, write_corpus
 
 SEEDS = range(10)
 
@@ -19,7 +20,7 @@ def _prompts(path: Path) -> list[str]:
     return [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
 
 
-def test_pretraining_posttraining_and_heldout_share_zero_problems_for_seeds_0_to_9(tmp_path):
+def test_pretraining_posttraining_dev_and_heldout_share_zero_problems_for_seeds_0_to_9(tmp_path):
     qs = load_config(DEFAULT_CONFIG)
     pretrained, posttrained = set(), set()
     for seed in SEEDS:
@@ -32,11 +33,13 @@ def test_pretraining_posttraining_and_heldout_share_zero_problems_for_seeds_0_to
         pretrained |= set(pre)
         posttrained |= set(post)
     held = {p.prompt_text for p in get_benchmark(BENCHMARK).load(limit=qs.eval.claim_problems)}
-    assert len(held) == qs.eval.claim_problems
+    dev = {p.prompt_text for p in get_benchmark(DEV_BENCHMARK).load()}
+    assert len(held) == qs.eval.claim_problems and len(dev) == 5000
     assert len(posttrained) > 2 * qs.corpus.problems  # the seeds draw different corpora (not one set ten times)
     assert len(pretrained & posttrained) == 0
     assert len(pretrained & held) == 0
     assert len(posttrained & held) == 0
+    assert not dev & (pretrained | posttrained | held)
 
 
 @pytest.mark.parametrize("seed", [-1, -1000])

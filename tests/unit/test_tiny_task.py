@@ -35,9 +35,10 @@ def test_problems_are_distinct_within_a_call():
 
 
 def test_splits_are_disjoint_and_cover_every_valid_problem():
-    pre, post, held = ({r["question"] for r in generate(s, split_size(s), seed=i)}
-                       for i, s in enumerate(("pretrain", "posttrain", "heldout")))
-    assert not pre & post and not pre & held and not post & held
+    pre, post, dev, held = ({r["question"] for r in generate(s, split_size(s), seed=i)}
+                            for i, s in enumerate(("pretrain", "posttrain", "dev", "heldout")))
+    parts = (pre, post, dev, held)
+    assert all(not a & b for i, a in enumerate(parts) for b in parts[i + 1:])
     # brute-force count of valid problems, independent of the module's enumeration
     valid = sum(
         1
@@ -45,19 +46,20 @@ def test_splits_are_disjoint_and_cover_every_valid_problem():
                                              range(1, 10))
         if OPS[om](a * b, c * d) >= 0 and _value(dict(a=a, b=b, c=c, d=d, op_mid=om, op_last=ol, e=e)) >= 0
     )
-    assert len(pre) + len(post) + len(held) == valid
-    assert 0.08 < len(held) / valid < 0.12 and 0.08 < len(post) / valid < 0.12  # the two 10% hash buckets
+    assert len(pre) + len(post) + len(dev) + len(held) == valid
+    assert 0.08 < len(held) / valid < 0.12  # the 10% held-out hash buckets
+    assert 0.04 < len(post) / valid < 0.06 and 0.04 < len(dev) / valid < 0.06  # the two 5% halves of the rest
 
 
 def test_split_membership_does_not_depend_on_seed_or_n():
     for seed in (0, 5, 123):
         for r in generate("heldout", 50, seed=seed):
             assert split_of(r["question"]) == "heldout"
-        for split in ("pretrain", "posttrain"):
+        for split in ("pretrain", "posttrain", "dev"):
             assert {split_of(r["question"]) for r in generate(split, 50, seed=seed)} == {split}
 
 
-@pytest.mark.parametrize("split", ["pretrain", "posttrain", "heldout"])
+@pytest.mark.parametrize("split", ["pretrain", "posttrain", "dev", "heldout"])
 def test_solution_ends_with_the_independently_computed_answer(split):
     for r in generate(split, 2000, seed=11):
         f = r["fields"]
@@ -205,3 +207,11 @@ def test_tinymath_benchmark_loads_heldout_and_scores_the_answer_line():
     truncated = solution.rsplit("####", 1)[0]
     assert truncated.rstrip(";").endswith(str(gold)) and not bench.score(p, truncated).correct
     assert not bench.score(p, truncated + "#### ").correct
+
+
+def test_tinymath_dev_benchmark_is_the_dev_split_and_never_a_test_problem():
+    from mbd.eval.benchmarks import get_benchmark
+
+    dev = get_benchmark("tinymath-dev").load(limit=2000)
+    assert len(dev) == 2000 and all(split_of(p.prompt_text) == "dev" for p in dev)
+    assert not {p.prompt_text for p in dev} & {p.prompt_text for p in get_benchmark("tinymath").load()}
