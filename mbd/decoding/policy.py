@@ -5,8 +5,12 @@ that it costs the same few tensor ops for any batch and reduces each slot to cou
 revised); `counts`, `final_count` (TO_CACHE marking) and `plan` (finish, activation) are the per-request
 host part, plain integer arithmetic on those counts.
 
-Exact semantics (the paper's alg:optimized_multibd writes `>` for progress/stability; we use `>=`, so that a
-threshold of 1.0 can be met by a complete block):
+Exact semantics. Progress and stability pass their thresholds as alg:optimized_multibd writes them, strictly
+(`passes`: x > tau), with one stated rule: a complete block (progress 1) or a fully stable one (stability 1)
+passes a threshold of 1.0, the only reading under which tau = 1.0 does not switch the rule off. The authors'
+Diffulex (mbd-lms branch, `DllmBlock.is_semi_complete` / `should_add_block`) tests >= everywhere, which agrees
+at 1.0 and differs only where x equals tau (at B = 4, tau_add 0.5 activates at 2 of 4 tokens there, here at 3;
+docs/fidelity.md).
 - progress(b) = non-mask tokens / B (prompt-tail tokens count); stability(b) = tokens that were already
   filled BEFORE this step and that this step left unchanged / tokens filled before this step (1 when none was
   filled), as the authors' Diffulex `same_token_ratio`: tokens M2T fills in this very step are not
@@ -14,15 +18,15 @@ threshold of 1.0 can be met by a complete block):
 - M2T: in each ACTIVE slot accept masked positions with confidence > tau_m2t, where confidence is the
   probability of the predicted token (greedy: the max probability; sampling: the sampled token's probability
   under the tempered distribution). If none is accepted and the preceding slot is semi-complete
-  (progress >= tau_semi, measured on the tokens the model just saw) or the slot is the first resident one,
+  (progress passes tau_semi, measured on the tokens the model just saw) or the slot is the first resident one,
   accept the single most confident masked position. The mask token's logit is -inf, so it is never produced.
 - T2T (tau_t2t set): filled, non-prompt positions of ACTIVE slots whose prediction differs from the current
   token with confidence > tau_t2t are replaced (positions accepted by M2T this step are not revised).
 - Complete: no mask left (with T2T also unchanged by this step). A complete ACTIVE slot whose preceding
   resident slots are all TO_CACHE (or complete in this same step) becomes TO_CACHE: its tokens are final.
 - Activation (at most one per step): if no resident block is left, the next block starts; otherwise the
-  next DUMMY slot is activated when the last resident block has progress >= tau_add and stability >=
-  tau_stable (if set), no stop token is in the buffer or output, a DUMMY slot is free within the request's
+  next DUMMY slot is activated when the last resident block's progress passes tau_add and its stability
+  passes tau_stable (if set), no stop token is in the buffer or output, a DUMMY slot is free within the request's
   buffer_size, and the block starts before the generation limit.
 - Finish: all resident blocks complete and (a stop token was generated or the next block would start past
   the generation limit), once the forward that stores the last of them has run (and counted), as the authors'
@@ -131,9 +135,9 @@ class Policy:
         self._pos_in_block: dict[torch.device, torch.Tensor] = {}
 
     def semi_max_masked(self, tau_semi: float) -> int:
-        """Most mask tokens a block may hold and still be semi-complete (progress >= tau_semi), computed
-        with the same float arithmetic as every other progress test; -1 if no block qualifies."""
-        return max((m for m in range(self.block + 1) if (self.block - m) / self.block >= tau_semi), default=-1)
+        """Most mask tokens a block may hold and still be semi-complete (its progress `passes` tau_semi),
+        computed with the same float arithmetic as every other progress test; -1 if no block qualifies."""
+        return max((m for m in range(self.block + 1) if passes((self.block - m) / self.block, tau_semi)), default=-1)
 
     def update(self, logits: torch.Tensor, tokens: torch.Tensor, state: torch.Tensor, tau_m2t: torch.Tensor,
                semi_max_masked: torch.Tensor, fixed: torch.Tensor | None = None, tau_t2t: torch.Tensor | None = None,
@@ -217,9 +221,9 @@ class Policy:
             return Plan(None, False)
         if left == 0:
             return Plan(None, True)
-        if p.tau_add is None or filled_last / self.block < p.tau_add:
+        if p.tau_add is None or not passes(filled_last / self.block, p.tau_add):
             return Plan(None, False)
-        return Plan(None, p.tau_stable is None or unchanged_last.stability >= p.tau_stable)
+        return Plan(None, p.tau_stable is None or passes(unchanged_last.stability, p.tau_stable))
 
     def _arange(self, device: torch.device) -> torch.Tensor:
         if device not in self._pos_in_block:
@@ -287,6 +291,12 @@ class DMaxPolicy(Policy):
         while k < n_res and filled[k] == self.block and (unchanged[k].kept == self.block or unchanged[k].confident):
             k += 1
         return k
+
+
+def passes(x: float, tau: float) -> bool:
+    """alg:optimized_multibd's `x > tau` for a progress or stability x in [0, 1]; x = 1 also passes tau = 1.0
+    (a complete or fully stable block), so that 1.0 means "complete" rather than "never"."""
+    return x > tau or x == 1.0 == tau
 
 
 def _failed(conf: torch.Tensor, active: torch.Tensor) -> torch.Tensor:

@@ -84,16 +84,21 @@ def test_m2t_threshold_fallback_and_semi_rule():
     d = pol.update(lg.clone(), tokens, state, tau(0.9), semi(pol, 0.5))
     # slot 0: 0.95 > 0.9 accepted; slot 1: none > 0.9 and slot 0 had progress 0 < tau_semi: no fallback
     assert d.tokens.tolist() == [[1, MASK, MASK, MASK, MASK, MASK, MASK, MASK]]
-    d = pol.update(lg.clone(), tokens, state, tau(0.9), semi(pol, 0.0))  # now slot 0 counts as semi-complete
+    d = pol.update(lg.clone(), tokens, state, tau(0.9), torch.tensor([[B]]))  # any block semi-complete: slot 0 too
     assert d.tokens.tolist() == [[1, MASK, MASK, MASK, MASK, 6, MASK, MASK]]
     d = pol.update(lg.clone(), tokens, state, tau(0.99), semi(pol, 0.5))  # the first resident slot always falls back
     assert d.tokens.tolist() == [[1, MASK, MASK, MASK, MASK, MASK, MASK, MASK]]
     assert d.masked_in.tolist() == [[4, 4]] and d.accepted.tolist() == [[1, 0]] and d.revised is None
     assert pol.counts([4, 4], [1, 0], None) == ([1, 0], [Kept(0, 0), Kept(0, 0)])
-    # semi-complete is progress >= tau_semi on the tokens the model saw: 1 of 4 filled passes 0.25 exactly
-    d = pol.update(lg.clone(), torch.tensor([[9, MASK, MASK, MASK] + [MASK] * 4]), state, tau(0.99), semi(pol, 0.25))
+    # semi-complete is progress > tau_semi (alg:optimized_multibd) on the tokens the model saw: 1 of 4 filled
+    # passes 0.2 but not 0.25 exactly
+    one_filled = torch.tensor([[9, MASK, MASK, MASK] + [MASK] * 4])
+    d = pol.update(lg.clone(), one_filled, state, tau(0.99), semi(pol, 0.2))
     assert d.tokens.tolist()[0][4:] == [MASK, 6, MASK, MASK]
-    assert pol.semi_max_masked(0.25) == 3 and pol.semi_max_masked(0.0) == 4 and Policy(10, MASK).semi_max_masked(0.3) == 7
+    d = pol.update(lg.clone(), one_filled, state, tau(0.99), semi(pol, 0.25))
+    assert d.tokens.tolist()[0][4:] == [MASK] * 4
+    assert pol.semi_max_masked(0.25) == 2 and pol.semi_max_masked(0.0) == 3 and Policy(10, MASK).semi_max_masked(0.3) == 6
+    assert pol.semi_max_masked(1.0) == 0  # the stated rule: a complete block passes 1.0
 
 
 def test_mask_token_never_predicted_and_to_cache_needs_prefix():
@@ -142,9 +147,16 @@ def test_activation_and_finish_plan():
     p = params(tau_add=0.5, tau_stable=0.5, buffer_size=3)
     go = dict(n_res=1, pre_tc=0, post_tc=0, filled_last=2, unchanged_last=Kept(1, 2), eos_seen=False, nfe=1,
               committed=8)
-    assert pol.plan(p, **go).activate  # progress 0.5 >= 0.5 and stability 0.5 >= 0.5 (the issue's >=)
-    assert not pol.plan(p, **{**go, "unchanged_last": Kept(0, 2)}).activate
+    # progress > tau_add and stability > tau_stable, strictly (alg:optimized_multibd): 2 of 4 is not > 0.5
+    assert not pol.plan(p, **go).activate
+    assert pol.plan(p, **{**go, "filled_last": 3, "unchanged_last": Kept(2, 2)}).activate
+    assert not pol.plan(p, **{**go, "filled_last": 3, "unchanged_last": Kept(1, 2)}).activate  # stability 0.5
     assert not pol.plan(p, **{**go, "filled_last": 1, "unchanged_last": Kept(1, 1)}).activate  # progress 0.25
+    # the stated rule for 1.0: a complete, fully stable block passes tau_add = tau_stable = 1.0
+    p1 = params(tau_add=1.0, tau_stable=1.0, buffer_size=3)
+    assert pol.plan(p1, **{**go, "filled_last": 4, "unchanged_last": Kept(4, 4)}).activate
+    assert not pol.plan(p1, **{**go, "filled_last": 3, "unchanged_last": Kept(3, 3)}).activate
+    assert not pol.plan(p1, **{**go, "filled_last": 4, "unchanged_last": Kept(3, 4)}).activate
     # filled in this very step (nothing filled before): stable, as the authors' same_token_ratio
     assert pol.plan(p, **{**go, "filled_last": 4, "unchanged_last": Kept(0, 0)}).activate
     assert pol.plan(p, **{**go, "filled_last": 3, "unchanged_last": Kept(1, 1)}).activate  # 2 new, 1 old kept
