@@ -25,7 +25,7 @@ from pydantic import Field
 
 from mbd.config import REPO_ROOT, ConfigError, ModelConfig, StrictModel, apply_sets, read_yaml, resolve_path, validate
 from mbd.model import build_model, save_checkpoint
-from mbd.tiny.task import generate, split_size, write_jsonl
+from mbd.tiny.task import SPLITS, Split, generate, split_size, write_jsonl
 from mbd.tiny.vocab import save_tokenizer, special_token_ids, vocab
 from mbd.train_config import TrainConfig
 
@@ -118,16 +118,17 @@ def pretrain(cfg: PretrainConfig, out: Path, show_progress: bool = True) -> dict
     return result
 
 
-def evaluate(model_dir: Path, n: int) -> dict:
-    """Held-out exact match and TPF of the exported model under SingleBD and training-free MultiBD
-    (greedy, CPU fp32, the first n problems of the `tinymath` benchmark)."""
+def evaluate(model_dir: Path, n: int, split: Split = "dev") -> dict:
+    """Exact match and TPF of the exported model under SingleBD and training-free MultiBD (greedy, CPU fp32, the
+    first n problems of `split` drawn with seed 0): the dev split by default, so no choice made from it (steps,
+    recipe) has seen a test problem."""
     from mbd.decoding import EngineConfig, build_engine
     from mbd.tiny.benchmark import TinyMath
     from pipelines.generate import load_decode_config
 
-    bench = TinyMath()
+    bench = TinyMath(split=split)
     problems = bench.load(limit=n)
-    out: dict = {"heldout_seed": bench.seed}
+    out: dict = {"split": split, "split_seed": bench.seed}
     for name, path in DECODE_CONFIGS.items():
         engine = build_engine(model_dir, load_decode_config(resolve_path(path)),
                               EngineConfig(device="cpu", dtype="float32", max_batch_rows=16))
@@ -156,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="overrides seed")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a field, e.g. --set train.deepspeed.lr=2e-3 --set corpus.problems=20000")
-    ap.add_argument("--eval-problems", type=int, default=200, help="held-out problems evaluated after export")
+    ap.add_argument("--eval-problems", type=int, default=200, help="problems evaluated after export")
+    ap.add_argument("--eval-split", default="dev", choices=SPLITS, help="the tinymath split they come from")
     ap.add_argument("--eval-only", action="store_true", help="only (re)evaluate the model already in --out")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (log-friendly)")
     args = ap.parse_args(argv)
@@ -173,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"mbd pretrain-tiny: {e}", file=sys.stderr)
         return 2
-    result["eval"] = evaluate(out, args.eval_problems)
+    result["eval"] = evaluate(out, args.eval_problems, args.eval_split)
     write_provenance(out, {k: v for k, v in result.items() if k != "run_dir"})  # no machine-specific paths
     print(json.dumps(result, indent=2))
     return 0

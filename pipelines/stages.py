@@ -21,6 +21,7 @@ from mbd.config import REPO_ROOT, DecodeConfig, StrictModel, load_decode, load_y
 from mbd.eval.claims import Curve, load_curve
 from mbd.eval.report import CellMetrics, Method, MethodRow, method_rows
 from mbd.eval.sweep import ResultStore
+from mbd.multitf.objectives import ObjectiveSection
 from mbd.multitf.schedulers import SchedulerConfig
 
 __all__ = ["DEFAULT_CONFIG", "BENCHMARK", "DEV_BENCHMARK", "SINGLEBD", "MULTIBD_TF", "MethodSpec", "QuickstartConfig", "ExpandSection",
@@ -61,6 +62,9 @@ class TrainSection(StrictModel):
     warmup_steps: int = Field(default=20, ge=0)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     grad_clip: float = Field(default=1.0, ge=0)
+    objective: ObjectiveSection | None = Field(
+        default=None, description="None: the base model family's objective (`objectives.FAMILY_OBJECTIVE`: the tiny "
+        "sdar base trains with the SDAR 1/t-weighted CE of sec:appendix_sdar_objective)")
 
 
 class EvalSection(StrictModel):
@@ -201,17 +205,21 @@ def expand_stage(cfg: QuickstartConfig, corpus: Path, out: Path, base: Path, exp
 
 def train_config(cfg: QuickstartConfig, run: Path, base: Path, rows_dir: str, name: str = "train",
                  export_dir: Path | None = None, checkpoint_every: int | None = None):
-    """The TrainConfig of a MultiTF post-training run on `rows_dir` (absolute paths: workers run elsewhere)."""
+    """The TrainConfig of a MultiTF post-training run on `rows_dir` (absolute paths: workers run elsewhere); the
+    objective is `train.objective`, else the base family's."""
+    from mbd.checkpoint_files import read_model_config
+    from mbd.multitf.objectives import family_objective
     from mbd.train_config import TrainConfig
 
     t, e = cfg.train, cfg.expand
+    objective = t.objective or family_objective(read_model_config(base).family)
     return TrainConfig.model_validate({
         "run": {"name": name, "storage_path": str(run.resolve()), "keep_checkpoints": 1,
                 "export_dir": str((export_dir or run / "mbd-tiny").resolve())},
         "model_path": str(base.resolve()),
         "data": {"parquet": str(Path(rows_dir).resolve()), "max_length": e.max_length, "probe_rows": 16},
         "layouts": {"mode": "multitf", "gmax": e.gmax, "n_rand": e.n_rand, "scheduler": e.scheduler.model_dump()},
-        "objective": {"name": "multitf_ce"},
+        "objective": objective.model_dump(),
         "deepspeed": {"zero_stage": t.zero_stage, "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
                       "lr": t.lr, "warmup_steps": t.warmup_steps, "min_lr_ratio": t.min_lr_ratio,
                       "grad_clip": t.grad_clip},

@@ -1,6 +1,13 @@
 """MultiTF corruption: noisy ids for one group-layout, and the expansion of a sequence into rows.
 
-Masking rule (alg:multitf_training): block k with ratio t_k masks exactly n_k = floor(B * t_k) positions,
+Two masking rules (`Masking`), both over a block's MASKABLE positions (below):
+- `floor_count` (alg:multitf_training, the MultiTF default): block k masks exactly floor(B * t_k) of them;
+- `bernoulli` (eq:forward, how a BD-LM base is pretrained, as SDAR's `forward_add_noise_packed`): each is masked
+  independently with probability t_k, so a block can be fully masked at any t > 0 (the state every SingleBD
+  and MultiBD block opens in) and E[masked] = t_k * maskable; pair it with the 1/t-weighted loss of
+  eq:block_diffusion (`sdar_weighted_ce`).
+
+floor_count in detail: block k with ratio t_k masks exactly n_k = floor(B * t_k) positions,
 chosen uniformly without replacement among its MASKABLE positions, i.e. the TARGETS: every position after
 the prompt, prompt_len <= p < L, that is the response (with its EOS) AND the block-alignment pad tokens
 after it (as the authors' `apply_chat_template_mdm`: "block-alignment padding participates in
@@ -20,13 +27,16 @@ randomness is keyed by (seed, seq_id, epoch, layout_index) through `rng.generato
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 from mbd.multitf.layouts import LayoutSpec, build_layout, first_response_block, layout_specs
 from mbd.multitf.rng import Purpose, generator
 from mbd.multitf.schedulers import NoiseScheduler
+
+Masking = Literal["floor_count", "bernoulli"]
+
 
 class RowField(NamedTuple):
     dtype: str  # numpy dtype name, or "str"
@@ -62,8 +72,12 @@ def mask_counts(block_ratio: np.ndarray, maskable: np.ndarray, block_size: int) 
 
 
 def sample_masked(block_ratio: np.ndarray, maskable: np.ndarray, block_size: int,
-                  rng: np.random.Generator) -> np.ndarray:
-    """Boolean [K, B]: exactly n_k uniformly chosen maskable positions per block."""
+                  rng: np.random.Generator, masking: Masking = "floor_count") -> np.ndarray:
+    """Boolean [K, B]: exactly n_k uniformly chosen maskable positions per block (`floor_count`), or each
+    maskable position independently with probability t_k (`bernoulli`)."""
+    if masking == "bernoulli":
+        t = np.asarray(block_ratio, dtype=np.float64)[:, None]
+        return maskable & (rng.random(maskable.shape) < t)
     counts = mask_counts(block_ratio, maskable, block_size)
     keys = rng.random(maskable.shape)
     keys[~maskable] = 2.0  # non-maskable positions sort last and are never picked
@@ -74,18 +88,18 @@ def sample_masked(block_ratio: np.ndarray, maskable: np.ndarray, block_size: int
 
 
 def corrupt(clean_ids: np.ndarray, block_ratio: np.ndarray, prompt_len: int, block_size: int,
-            mask_token_id: int, rng: np.random.Generator) -> np.ndarray:
+            mask_token_id: int, rng: np.random.Generator, masking: Masking = "floor_count") -> np.ndarray:
     """Noisy ids x_t for one layout's per-block ratios; every position after the prompt is a target."""
     ids = np.asarray(clean_ids)
     pos = np.arange(ids.size).reshape(-1, block_size)
     maskable = pos >= prompt_len
-    masked = sample_masked(block_ratio, maskable, block_size, rng).reshape(-1)
+    masked = sample_masked(block_ratio, maskable, block_size, rng, masking).reshape(-1)
     return np.where(masked, mask_token_id, ids).astype(ids.dtype)
 
 
 def layout_row(clean_ids: np.ndarray, prompt_len: int, response_len: int, spec: LayoutSpec, index: int, *,
                block_size: int, gmax: int, scheduler: NoiseScheduler, mask_token_id: int, seed: int, seq_id: int,
-               epoch: int) -> dict[str, Any]:
+               epoch: int, masking: Masking = "floor_count") -> dict[str, Any]:
     """The training row of group-layout `index` (= `spec`) of one sequence (ROW_SCHEMA less `recipe`)."""
     ids = np.asarray(clean_ids, dtype=np.int32)
     total = prompt_len + response_len
@@ -98,7 +112,7 @@ def layout_row(clean_ids: np.ndarray, prompt_len: int, response_len: int, spec: 
     first = first_response_block(prompt_len, block_size)
     block_group = build_layout(spec, ids.size // block_size, first, gmax, generator(*key, Purpose.LAYOUT))
     ratio = scheduler.sample(block_group, generator(*key, Purpose.RATIOS)).astype(np.float32)
-    noisy = corrupt(ids, ratio, prompt_len, block_size, mask_token_id, generator(*key, Purpose.POSITIONS))
+    noisy = corrupt(ids, ratio, prompt_len, block_size, mask_token_id, generator(*key, Purpose.POSITIONS), masking)
     return {
         "seq_id": seq_id, "epoch": epoch, "layout_index": index, "layout_kind": spec.kind,
         "g": spec.g, "h": spec.h, "noisy_ids": noisy, "clean_ids": ids,

@@ -42,6 +42,9 @@ GlobalSum = Callable[[torch.Tensor], torch.Tensor]  # sum of a detached scalar o
 
 
 ObjectiveName = Literal["multitf_ce", "sdar_weighted_ce", "dmax_oput"]
+# the objective the paper gives each model family (sec:appendix_objectives): SDAR models the block-wise
+# 1/t-weighted CE (sec:appendix_sdar_objective), LLaDA2 the global MultiTF CE
+FAMILY_OBJECTIVE: dict[str, ObjectiveName] = {"sdar": "sdar_weighted_ce", "llada2_moe": "multitf_ce"}
 
 
 class ObjectiveSection(StrictModel):
@@ -51,6 +54,11 @@ class ObjectiveSection(StrictModel):
         default="paper", description="paper: eq:appendix_sdar_multitf_loss (1/K per row); self_normalized: the "
         "authors' code, sum_M CE/t / sum_M 1/t over the micro-batch of all workers")
     oput_weight: float = Field(default=1.0, ge=0, description="weight of the DMax OPUT self-denoising branch")
+
+
+def family_objective(family: str) -> ObjectiveSection:
+    """The family's objective with its default options (the SDAR loss normalised as eq:appendix_sdar_multitf_loss)."""
+    return ObjectiveSection(name=FAMILY_OBJECTIVE[family])
 
 
 def masked_positions(noisy_ids: torch.Tensor, mask_token_id: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from mbd.config import StrictModel
-from mbd.multitf.corrupt import corrupt, layout_row
+from mbd.multitf.corrupt import Masking, corrupt, layout_row
 from mbd.multitf.layouts import first_response_block, layout_specs, num_layouts
 from mbd.multitf.rng import Purpose, generator
 from mbd.multitf.schedulers import NoiseScheduler, SchedulerConfig, build_scheduler
@@ -37,13 +37,15 @@ class LayoutSection(StrictModel):
     mode `multitf`: |Lambda| group-layouts per sequence. mode `tf`: block-diffusion teacher forcing, one layout
     where every response block is its own noise-group (use scheduler `random_iid` with gamma_rand 1 for the usual
     independent t ~ U(t_low, t_high) per block). mode `d2f`: the authors' D2F ablation, one group over all
-    response blocks with the `linear` scheduler (required).
+    response blocks with the `linear` scheduler (required). `masking`: `floor_count` (alg:multitf_training) or
+    `bernoulli` (eq:forward, the BD-LM pretraining rule; see `mbd.multitf.corrupt`).
     """
 
     mode: Literal["multitf", "tf", "d2f"] = "multitf"
     gmax: int = Field(default=4, ge=2, description="G_max (also sizes the per-slot loss metrics)")
     n_rand: int = Field(default=0, ge=0)
     scheduler: SchedulerConfig = SchedulerConfig()
+    masking: Masking = "floor_count"
 
     @model_validator(mode="after")
     def _check(self) -> "LayoutSection":
@@ -81,11 +83,12 @@ class TokenizedSequence:
 
 
 def _single_layout_row(seq: TokenizedSequence, kind: str, block_group: np.ndarray, ratio: np.ndarray, *,
-                       block_size: int, mask_token_id: int, seed: int, epoch: int) -> dict[str, Any]:
+                       block_size: int, mask_token_id: int, seed: int, epoch: int,
+                       masking: Masking) -> dict[str, Any]:
     ids = np.asarray(seq.clean_ids, dtype=np.int32)
     ratio = ratio.astype(np.float32)
     noisy = corrupt(ids, ratio, seq.prompt_len, block_size, mask_token_id,
-                    generator(seed, seq.seq_id, epoch, 0, Purpose.POSITIONS))
+                    generator(seed, seq.seq_id, epoch, 0, Purpose.POSITIONS), masking)
     return {"seq_id": seq.seq_id, "epoch": epoch, "layout_index": 0, "layout_kind": kind,
             "g": 1 if kind == "tf" else -1, "h": 0 if kind == "tf" else -1, "noisy_ids": noisy, "clean_ids": ids,
             "block_group": block_group, "block_ratio": ratio, "prompt_len": seq.prompt_len,
@@ -93,7 +96,7 @@ def _single_layout_row(seq: TokenizedSequence, kind: str, block_group: np.ndarra
 
 
 def tf_row(seq: TokenizedSequence, *, block_size: int, scheduler: NoiseScheduler, mask_token_id: int,
-           seed: int, epoch: int) -> dict[str, Any]:
+           seed: int, epoch: int, masking: Masking = "floor_count") -> dict[str, Any]:
     """The block-diffusion TF row of a sequence: each response block is a noise-group of one block."""
     num_blocks = len(seq.clean_ids) // block_size
     first = first_response_block(seq.prompt_len, block_size)
@@ -101,11 +104,11 @@ def tf_row(seq: TokenizedSequence, *, block_size: int, scheduler: NoiseScheduler
     block_group[first:] = np.arange(num_blocks - first)
     ratio = scheduler.sample(block_group, generator(seed, seq.seq_id, epoch, 0, Purpose.RATIOS))
     return _single_layout_row(seq, "tf", block_group, ratio, block_size=block_size, mask_token_id=mask_token_id,
-                              seed=seed, epoch=epoch)
+                              seed=seed, epoch=epoch, masking=masking)
 
 
 def d2f_row(seq: TokenizedSequence, *, block_size: int, scheduler: NoiseScheduler, mask_token_id: int,
-            seed: int, epoch: int) -> dict[str, Any]:
+           seed: int, epoch: int, masking: Masking = "floor_count") -> dict[str, Any]:
     """The authors' D2F row: one noise-group over all response blocks, ramp over all K blocks from block 0."""
     num_blocks = len(seq.clean_ids) // block_size
     first = first_response_block(seq.prompt_len, block_size)
@@ -115,7 +118,7 @@ def d2f_row(seq: TokenizedSequence, *, block_size: int, scheduler: NoiseSchedule
     block_group[first:] = 0
     ratio = np.where(block_group >= 0, ramp, 0.0)
     return _single_layout_row(seq, "d2f", block_group, ratio, block_size=block_size, mask_token_id=mask_token_id,
-                              seed=seed, epoch=epoch)
+                              seed=seed, epoch=epoch, masking=masking)
 
 
 def sequence_row(seq: TokenizedSequence, layouts: LayoutSection, layout_index: int, *, block_size: int,
@@ -123,7 +126,8 @@ def sequence_row(seq: TokenizedSequence, layouts: LayoutSection, layout_index: i
                  recipe: str | None = None) -> dict[str, Any]:
     """Row `layout_index` of a sequence (ROW_SCHEMA, `recipe` included)."""
     scheduler = scheduler or build_scheduler(layouts.scheduler)
-    kw = dict(block_size=block_size, scheduler=scheduler, mask_token_id=mask_token_id, seed=seed, epoch=epoch)
+    kw = dict(block_size=block_size, scheduler=scheduler, mask_token_id=mask_token_id, seed=seed, epoch=epoch,
+              masking=layouts.masking)
     if layouts.mode == "tf":
         row = tf_row(seq, **kw)
     elif layouts.mode == "d2f":
