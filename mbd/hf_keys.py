@@ -1,23 +1,29 @@
-"""What each key of a checkpoint's `config.json` means here: read, irrelevant, or pinned to the value we compute.
+"""What each key of a checkpoint's `config.json` means here, in two classes.
 
-Strict by default, so that a checkpoint this code cannot honour is refused by name instead of decoding wrongly:
-- READ: keys that become `ModelConfig` fields (`use_qkv_bias` is LLaDA2's name for `attention_bias`);
-- IGNORED: bookkeeping that changes neither inference nor training (`torch_dtype` / `dtype`: the engine picks the
-  dtype the weights are cast to; `max_window_layers` / `sliding_window`: read only with `use_sliding_window`, which is
-  pinned off);
+Strict by default, so that a checkpoint this code cannot honour is refused by name instead of decoding wrongly.
+
+(a) Keys that change the computation: honoured, or refused by name.
+- READ: keys that become `ModelConfig` fields (`use_qkv_bias` is LLaDA2's name for `attention_bias`).
 - PINNED: settings whose value the model code implements and no other (`use_bias: false`, `use_qk_norm: true`,
-  sigmoid routing, no rope scaling, dropout 0, ...). A key absent from the file takes the reference config class's
-  default (ABSENT), which for LLaDA2's `use_bias` (true) and dropouts (0.1) is not the pinned value: such a config
-  is refused as well.
+  sigmoid routing, no rope scaling, no sliding window, dropout 0, ...): any other value is refused. A key absent
+  from the file takes the reference config class's default (ABSENT), which for LLaDA2's `use_bias` (true) and
+  dropouts (0.1) is not the pinned value: such a config is refused as well.
 - DEFAULTS: a read key absent from the file takes the reference config class's default, where it differs from
   `ModelConfig`'s (LLaDA2MoeConfig: partial_rotary_factor 0.5, rms_norm_eps 1e-5; the authors' Diffulex SDARConfig:
   max_position_embeddings 32768).
-Every other key is refused with its name and value.
+- Keys that only restate read ones (`rotary_dim`, `layer_types`, ...) are accepted when they agree (`_derived_ok`).
+
+(b) IGNORED: keys that choose a kernel, a parallel layout, a training switch, a cache or an output format, or are
+bookkeeping: accepted whatever their value (a few only at the values listed in IGNORED_VALUES), each with the
+reason it leaves the arithmetic unchanged. A key is added once its meaning is checked against the reference code
+(transformers, the authors' modeling files), never by its name alone: an unknown key may change the arithmetic.
+
+Every other key is refused with its name and value (docs/models.md has both classes as tables).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from mbd.config import ConfigError
 
@@ -32,15 +38,71 @@ READ = {
                                  "num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor",
                                  "first_k_dense_replace", "norm_topk_prob"},
 }
-IGNORED = frozenset({
-    "auto_map", "torch_dtype", "dtype", "transformers_version", "use_cache", "initializer_range", "bos_token_id",
-    "output_router_logits", "max_window_layers", "sliding_window", "return_dict", "output_hidden_states",
-    "output_attentions", "torchscript", "use_bfloat16", "tokenizer_class",
-    # training-launcher flags some SDAR configs carry (loss kernel, DeepSpeed, checkpointing): not the model
-    "fuse_cross_entropy", "use_deepspeed", "micro_forward", "skip_checkpoint", "debug",
-    # the multi-token-prediction loss weight: no MTP layers are built (num_nextn_predict_layers is pinned to 0)
-    "mtp_loss_scaling_factor",
-})
+
+
+class Ignored(NamedTuple):
+    """Why a class-(b) key leaves the arithmetic unchanged: its kind and a one-line reason."""
+
+    kind: str  # kernel | parallel | training | cache | output | bookkeeping
+    why: str
+
+
+IGNORED: dict[str, Ignored] = {
+    # kernels: how a result is computed, not which result
+    "attn_implementation": Ignored("kernel", "the attention kernel transformers runs (eager, sdpa, flex_attention, "
+                                   "flash_attention_2/3): each computes softmax(QK^T/sqrt(d) + mask)V over the "
+                                   "block-causal mask this code builds from block_size"),
+    "fuse_cross_entropy": Ignored("kernel", "the authors' modeling_sdar.py fuses lm_head and cross-entropy in "
+                                  "training only (`fuse_cross_entropy and self.training`): the same loss"),
+    # parallel layouts: where a result is computed
+    "ep_size": Ignored("parallel", "expert-parallel degree: how MoE experts are spread over ranks, every token still "
+                       "reaching its top-k experts; the authors' modeling_sdar.py never reads it (SDAR-8B is dense)"),
+    "use_deepep": Ignored("parallel", "DeepEP all-to-all kernels for expert-parallel dispatch: communication only; "
+                          "the authors' modeling_sdar.py never reads it"),
+    "use_deepspeed": Ignored("parallel", "DeepSpeed on or off in the authors' training launcher (sharding of "
+                             "optimizer state and weights); not a model setting"),
+    # training switches that leave the forward and the loss unchanged
+    "micro_forward": Ignored("training", "a switch of the authors' training launcher; their modeling_sdar.py never "
+                             "reads it"),
+    "skip_checkpoint": Ignored("training", "a switch of the authors' training launcher (checkpointing); their "
+                               "modeling_sdar.py never reads it"),
+    "debug": Ignored("training", "a debugging switch of the authors' training launcher; their modeling_sdar.py "
+                     "never reads it"),
+    "mtp_loss_scaling_factor": Ignored("training", "weight of the multi-token-prediction loss; no MTP layers are "
+                                       "built (LLaDA2's num_nextn_predict_layers is pinned to 0)"),
+    "initializer_range": Ignored("training", "std of freshly initialised weights, which a checkpoint's weights "
+                                 "replace"),
+    # caches and output formats
+    "use_cache": Ignored("cache", "whether transformers' forward returns past key/values; the engine keeps its own "
+                         "KV cache"),
+    "output_router_logits": Ignored("output", "returns the router logits as an extra output; LLaDA2's reference "
+                                    "computes no auxiliary loss from them"),
+    "return_dict": Ignored("output", "transformers' output container (dataclass or tuple)"),
+    "output_hidden_states": Ignored("output", "transformers returns every layer's hidden states as well"),
+    "output_attentions": Ignored("output", "transformers returns the attention probabilities as well"),
+    "torchscript": Ignored("output", "transformers' TorchScript export: tied embeddings are cloned, same values"),
+    # bookkeeping
+    "auto_map": Ignored("bookkeeping", "names the authors' remote-code classes, which are never run: "
+                        "`architectures` picks the family"),
+    "torch_dtype": Ignored("bookkeeping", "the dtype the weights were saved in; the engine's dtype decides the "
+                           "compute dtype (the router stays float32)"),
+    "dtype": Ignored("bookkeeping", "transformers >= 4.56's name for torch_dtype (the two must agree)"),
+    "transformers_version": Ignored("bookkeeping", "the transformers version that wrote the file"),
+    "use_bfloat16": Ignored("bookkeeping", "a legacy TensorFlow/Flax storage flag"),
+    "tokenizer_class": Ignored("bookkeeping", "the tokenizer's class; tokenizer.json is read directly"),
+    "bos_token_id": Ignored("bookkeeping", "the tokenizer's BOS id; no layer reads it, prompts hold what the chat "
+                            "template writes"),
+    "max_window_layers": Ignored("bookkeeping", "read only with use_sliding_window: true, which is pinned off"),
+    "sliding_window": Ignored("bookkeeping", "read only with use_sliding_window: true, which is pinned off"),
+}
+# the attention kernels whose arithmetic is known; another name may be an attention variant, and is refused
+KERNELS = frozenset({"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"})
+# class-(b) keys accepted at these values only: outside them the key's meaning is not the one its reason states
+IGNORED_VALUES: dict[str, Callable[[Any], bool]] = {
+    "attn_implementation": lambda v: v is None or v in KERNELS,
+    "ep_size": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+    "use_deepep": lambda v: isinstance(v, bool),
+}
 PINNED: dict[str, dict[str, Any]] = {
     "sdar": {"hidden_act": "silu", "rope_scaling": None, "use_sliding_window": False, "attention_dropout": 0.0},
     "llada2_moe": {
@@ -61,14 +123,20 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def check_keys(hf: dict[str, Any], family: str) -> None:
-    """Raise ConfigError naming the first key of `hf` that is neither read, ignored, nor at its pinned value."""
+    """Raise ConfigError naming the first key of `hf` that is neither read, ignored (at an accepted value), nor at
+    its pinned value."""
     for key, value in ABSENT[family].items():
         if key not in hf and value != PINNED[family][key]:
             raise ConfigError(f"config.json states no {key!r}: the reference config class then assumes "
                               f"{key}={value!r}, which this code does not implement (it computes {key}="
                               f"{PINNED[family][key]!r}); state it if that is what the weights were trained with")
     for key, value in hf.items():
-        if key in READ[family] or key in IGNORED or key.startswith("_"):
+        if key in READ[family] or key.startswith("_"):
+            continue
+        if key in IGNORED:
+            if key in IGNORED_VALUES and not IGNORED_VALUES[key](value):
+                raise ConfigError(f"config.json {key}={value!r} is not a value this code knows to leave the "
+                                  f"computation unchanged ({key}: {IGNORED[key].why})")
             continue
         if key in PINNED[family]:
             if value != PINNED[family][key]:

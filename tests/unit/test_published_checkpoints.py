@@ -1,10 +1,14 @@
-"""Every published seed checkpoint format loads from its own files (tests/fixtures/published/*, transcribed: see
-each SOURCE.md), refuses what this code cannot honour by name, and round-trips through `to_hf`.
+"""Every published seed checkpoint format loads from its own files (tests/fixtures/published/*: fetched byte for
+byte where a repository holds them, else transcribed, as each SOURCE.md says), refuses what this code cannot honour
+by name, accepts the keys that only choose a kernel, a parallel layout, a training switch or a cache, and
+round-trips through `to_hf`.
 
 Tiny checkpoints in the published layout: the fixture's config.json with its shapes shrunk (every other key kept),
 random weights written under the checkpoint's own tensor names."""
 
+import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -15,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from mbd.checkpoint_files import read_model_config
 from mbd.config import REPO_ROOT, ConfigError, DecodeConfig, EngineConfig, ModelConfig
 from mbd.decoding import Engine
-from mbd.hf_keys import PINNED
+from mbd.hf_keys import IGNORED, IGNORED_VALUES, PINNED, READ
 from mbd.model import CheckpointError, build_model, load_checkpoint
 from mbd.model.attention import Masked
 from mbd.model.checkpoint import checkpoint_state
@@ -36,6 +40,10 @@ SHRINK = {
     "sdar": dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=8, max_window_layers=2, max_position_embeddings=256),
 }
+FETCHED = {"SDAR-8B-Chat"}  # the fixture folders whose files are the published bytes (the others: transcribed)
+# the authors' launcher and kernel keys that SDAR-8B-Chat's published config.json carries
+LAUNCHER = {"attn_implementation", "ep_size", "use_deepep", "fuse_cross_entropy", "micro_forward", "skip_checkpoint",
+            "use_cache", "debug"}
 DROP = object()
 
 
@@ -78,6 +86,67 @@ def test_published_config_reads_as_documented(name):
     assert cfg.eos_token_id == EXPECTED[name][1][0]
 
 
+def test_every_fixture_folder_is_loaded():
+    assert {d.name for d in FIXTURES.iterdir() if d.is_dir()} == set(EXPECTED)
+
+
+SOURCE_ROW = re.compile(r"^\| (?P<file>[^|]+?) \| (?P<status>fetched|transcribed) \| (?P<repo>[^|]+?) \| "
+                        r"(?P<commit>[^|]+?) \| (?P<path>[^|]+?) \| (?P<blob>[^|]+?) \|$", re.M)
+
+
+def git_blob(data: bytes) -> str:
+    """The git blob id of `data` (what `git hash-object` prints): SOURCE.md's check that a file is the bytes
+    published at the repository, commit and path it names, without fetching anything."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_source_md_names_every_file_and_fetched_files_are_the_published_bytes(name):
+    d = FIXTURES / name
+    rows = {m["file"]: m for m in SOURCE_ROW.finditer((d / "SOURCE.md").read_text())}
+    assert set(rows) == {f.name for f in d.iterdir()} - {"SOURCE.md"}
+    for f, row in rows.items():
+        assert row["status"] == ("fetched" if name in FETCHED else "transcribed")
+        if row["status"] == "fetched":
+            assert re.fullmatch(r"[\w.-]+/[\w.-]+", row["repo"]) and re.fullmatch(r"[0-9a-f]{40}", row["commit"])
+            assert git_blob((d / f).read_bytes()) == row["blob"], f"{name}/{f} is not the published bytes"
+
+
+def test_the_authors_launcher_and_kernel_keys_are_accepted_and_change_nothing():
+    """SDAR-8B-Chat's published config.json names the attention kernel, the expert-parallel layout and training
+    switches: accepted, and the model is the one without them, whatever their values."""
+    hf = published("SDAR-8B-Chat")
+    assert LAUNCHER <= set(hf) and LAUNCHER <= set(IGNORED)
+    flipped = hf | {"attn_implementation": "sdpa", "ep_size": 8, "use_deepep": True, "fuse_cross_entropy": False,
+                    "micro_forward": True, "skip_checkpoint": True, "use_cache": True, "debug": True}
+    bare = {k: v for k, v in hf.items() if k not in LAUNCHER}
+    assert ModelConfig.from_hf(hf) == ModelConfig.from_hf(flipped) == ModelConfig.from_hf(bare)
+
+
+def test_each_key_is_in_one_class_and_each_ignored_key_says_why():
+    kinds = {"kernel", "parallel", "training", "cache", "output", "bookkeeping"}
+    for key, (kind, why) in IGNORED.items():
+        assert kind in kinds and why.strip() and "\n" not in why, key
+        for family in READ:
+            assert key not in READ[family] and key not in PINNED[family], key
+    assert set(IGNORED_VALUES) <= set(IGNORED)
+
+
+def test_docs_list_every_ignored_key_with_its_kind():
+    """docs/models.md's table of accepted-and-ignored keys is the list in mbd.hf_keys, kind for kind."""
+    text = (REPO_ROOT / "docs" / "models.md").read_text()
+    section = text.split("### Accepted and ignored config.json keys", 1)[1].split("\n#", 1)[0]
+    assert dict(re.findall(r"^\| `(\w+)` \| (\w+) \|", section, re.M)) == {k: v.kind for k, v in IGNORED.items()}
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_an_unknown_key_that_changes_the_arithmetic_is_still_refused_by_name(name):
+    """Next to the accepted launcher keys, a key this code does not know (Gemma 2's logit soft-capping here) is
+    refused with its name and value, never ignored."""
+    with pytest.raises(ConfigError, match=r"attn_logit_softcapping=30\.0 is not read by this code"):
+        ModelConfig.from_hf(published(name) | {"attn_logit_softcapping": 30.0})
+
+
 @pytest.mark.parametrize("name", EXPECTED)
 def test_tiny_published_checkpoint_loads_decodes_and_trains_with_its_block(name, tmp_path):
     d, model = tiny_published(name, tmp_path / name)
@@ -94,12 +163,15 @@ def test_tiny_published_checkpoint_loads_decodes_and_trains_with_its_block(name,
 
 @pytest.mark.parametrize("name", ["SDAR-8B-Chat", "SDAR-8B-Chat-b32"])
 def test_tiny_published_sdar_equals_qwen3(name, tmp_path):
-    """Causal (block 1) logits equal transformers' Qwen3 on the same files' weights."""
+    """Causal (block 1) logits equal transformers' Qwen3 on the same files' weights. The reference runs eager
+    attention whatever kernel the file names (SDAR-8B-Chat's `attn_implementation: flex_attention` is a kernel
+    choice, and compiling FlexAttention on CPU takes a minute)."""
     transformers = pytest.importorskip("transformers")
     d, _ = tiny_published(name, tmp_path / name)
     hf = json.loads((d / "config.json").read_text())
     ref_cfg = transformers.Qwen3Config(**{k: v for k, v in hf.items() if k not in ("architectures", "auto_map",
-                                                                                     "model_type")})
+                                                                                     "model_type")}
+                                       | {"attn_implementation": "eager"})
     ref = transformers.Qwen3ForCausalLM(ref_cfg).eval()
     missing = ref.load_state_dict(load_file(d / "model.safetensors"), strict=False)
     assert not missing.unexpected_keys and not missing.missing_keys
@@ -118,6 +190,10 @@ REFUSED = [
     ("llada2_moe", "rotary_dim", 128), ("llada2_moe", "num_nextn_predict_layers", 1), ("llada2_moe", "new_knob", 1),
     ("sdar", "hidden_act", "gelu"), ("sdar", "use_sliding_window", True), ("sdar", "rope_scaling", {"factor": 4.0}),
     ("sdar", "layer_types", ["sliding_attention"] * 36), ("sdar", "use_qk_norm", False),
+    # unknown keys that would change the arithmetic, and accepted keys at a value whose meaning is not known
+    ("sdar", "attn_logit_softcapping", 30.0), ("llada2_moe", "router_aux_loss_coef", 0.001),
+    ("sdar", "attn_implementation", "my_sliding_attention"), ("sdar", "ep_size", 0),
+    ("llada2_moe", "use_deepep", "auto"),
 ]
 
 
