@@ -2,6 +2,7 @@
 
     python -m benchmarks.tiny_parity                          # seeds 0-4: about an hour on 2 quiet cores
     python -m benchmarks.tiny_parity --seeds 0 --run-dir /tmp/parity --set train.lr=2e-3
+    python -m benchmarks.tiny_parity --dev --problems 2000      # tuning: the dev split, never the test problems
 
 Run it before a change to mbd/multitf/, pipelines/expand_layouts.py or pipelines/train_multitf.py lands
 (docs/training.md): 1,000 problems (the quickstart's) give a 5 pp wide interval and cannot see the 2 pp that a
@@ -33,8 +34,8 @@ from pathlib import Path
 from mbd.config import REPO_ROOT, resolve_path
 from mbd.eval.stats import paired_difference, seed_paired_difference
 from pipelines.ray_session import ray_session
-from pipelines.stages import (DEFAULT_CONFIG, SINGLEBD, MethodSpec, QuickstartConfig, curves_of, expand_stage,
-                              load_config, sweep_config, train_stage, write_corpus)
+from pipelines.stages import (BENCHMARK, DEFAULT_CONFIG, DEV_BENCHMARK, SINGLEBD, MethodSpec, QuickstartConfig,
+                              curves_of, expand_stage, load_config, sweep_config, train_stage, write_corpus)
 
 MIN_DIFF_PP = -1.0  # the 95% interval of MBD-tiny - SingleBD starts at most 1 pp below 0
 MIN_TPF_RATIO = 2.0
@@ -50,10 +51,11 @@ def code_hash(root: Path = REPO_ROOT, paths: tuple[str, ...] = CODE) -> str:
     return h.hexdigest()
 
 
-def run_key(cfg: QuickstartConfig, problems: int, code: str) -> str:
+def run_key(cfg: QuickstartConfig, problems: int, code: str, benchmark: str = BENCHMARK) -> str:
     """The folder of results produced by this code and config (run_dir and num_cpus decide no result)."""
     config = cfg.model_dump(mode="json", exclude={"run_dir", "num_cpus", "serve"})
-    blob = json.dumps({"code": code, "config": config, "problems": problems}, sort_keys=True)
+    blob = json.dumps({"code": code, "config": config, "problems": problems}
+                      | ({} if benchmark == BENCHMARK else {"benchmark": benchmark}), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -76,20 +78,22 @@ def methods_of(cfg: QuickstartConfig, seeds: list[int]) -> list[MethodSpec]:
         (f"MBD-tiny seed {s}", f"mbd-s{s}", cfg.eval.multibd, f"mbd-s{s}") for s in seeds]
 
 
-def measure(cfg: QuickstartConfig, run: Path, seeds: list[int], problems: int, progress: bool) -> dict:
-    """Train every seed, decode the operating points, and compare each MBD-tiny with SingleBD."""
+def measure(cfg: QuickstartConfig, run: Path, seeds: list[int], problems: int, progress: bool,
+            benchmark: str = BENCHMARK) -> dict:
+    """Train every seed, decode the operating points of `benchmark`, and compare each MBD-tiny with SingleBD."""
     from pipelines.eval_sweep import run_sweep
 
     base = resolve_path(cfg.base_model)
     methods = methods_of(cfg, seeds)
     with ray_session(run, cfg.num_cpus):
         models = [("base", base)] + [(f"mbd-s{s}", train_seed(cfg, run, base, s, progress)) for s in seeds]
-        run_sweep(sweep_config(cfg, run / "eval", models, methods, problems, operating=True), progress=progress)
-    curves = curves_of(cfg, run / "eval", methods, problems, operating=True)
+        run_sweep(sweep_config(cfg, run / "eval", models, methods, problems, operating=True, benchmark=benchmark),
+                  progress=progress)
+    curves = curves_of(cfg, run / "eval", methods, problems, operating=True, benchmark=benchmark)
     single, mbd = curves[SINGLEBD], [curves[m[0]] for m in methods[1:]]
     per_seed = [{"seed": s, "accuracy": m.accuracy(), "tpf_ratio": m.tpf() / single.tpf(),
                  **paired_difference(single.correct[0], m.correct[0]).model_dump()} for s, m in zip(seeds, mbd)]
-    out = {"problems": problems, "singlebd": {"accuracy": single.accuracy(), "tpf": single.tpf()},
+    out = {"benchmark": benchmark, "problems": problems, "singlebd": {"accuracy": single.accuracy(), "tpf": single.tpf()},
            "per_seed": per_seed, "mean_diff_pp": sum(p["diff_pp"] for p in per_seed) / len(seeds),
            "mean_tpf_ratio": sum(p["tpf_ratio"] for p in per_seed) / len(seeds)}
     if len(seeds) > 1:
@@ -109,7 +113,7 @@ def passes(r: dict) -> bool:
 
 def report(r: dict) -> bool:
     print(f"\nSingleBD (shipped base): {r['singlebd']['accuracy']:.2f}%, TPF {r['singlebd']['tpf']:.2f}; "
-          f"{r['problems']} held-out problems")
+          f"{r['problems']} {r['benchmark']} problems")
     print(f"{'seed':>4} {'MBD-tiny':>8} {'MBD - SingleBD (95% CI over problems)':>40} {'TPF':>6}")
     for p in r["per_seed"]:
         ci = f"{p['diff_pp']:+.2f} pp [{p['ci_low_pp']:+.2f}, {p['ci_high_pp']:+.2f}]"
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated training seeds")
     ap.add_argument("--problems", type=int, default=10000, help="first N held-out problems")
+    ap.add_argument("--dev", action="store_true", help="the dev split (tinymath-dev) instead: for tuning a recipe")
     ap.add_argument("--run-dir", default="runs/tiny_parity", help="results go to RUN_DIR/<hash of code and config>")
     ap.add_argument("--config", default=str(DEFAULT_CONFIG))
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -137,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     cfg = load_config(args.config, args.sets)
     code = code_hash()
-    run = Path(args.run_dir).resolve() / run_key(cfg, args.problems, code)
+    benchmark = DEV_BENCHMARK if args.dev else BENCHMARK
+    run = Path(args.run_dir).resolve() / run_key(cfg, args.problems, code, benchmark)
     print(f"run: {run} (code {code[:12]})", flush=True)
-    result = measure(cfg, run, seeds, args.problems, not args.no_progress)
+    result = measure(cfg, run, seeds, args.problems, not args.no_progress, benchmark)
     (run / "parity.json").write_text(json.dumps({"code": code, "sets": args.sets, **result}, indent=2))
     return 0 if report(result) else 1
 
