@@ -3,12 +3,12 @@
 The tiny service (configs/serve/tiny.yaml, the embedded model) on a local Ray cluster: --clients closed-loop
 streaming chat clients send --requests requests each (held-out tinymath problems); --kill-at seconds after the load
 starts the benchmark SIGKILLs the decoder replica's engine process (--kill engine), the replica process itself
-(--kill replica) or nothing (--kill none). Each request is counted once: ok; failed in-band (its stream had output:
-finish_reason "error", an error event, [DONE]); 503 (with or without Retry-After; a client does not retry it here);
-or unclean (anything else). Printed: the counts, the requests in flight at the kill, the span of the 503s, the
-seconds from the kill to the first content of a request that was in flight without output (one the replica kept),
-to the first content of a request sent after it, and to /health "ok" again, the replica's own counts (requests
-kept and re-admitted, streams that had output and failed, restarts), and a JSON line.
+(--kill replica) or nothing (--kill none). Each request is counted once: ok; failed in-band (finish_reason "error",
+an error event, [DONE]); 503 (with or without Retry-After; a client does not retry it here); or unclean (anything
+else). Printed: the counts, the requests in flight at the kill, the span of the 503s, the seconds from the kill to
+the first content after it of a request that was in flight without output (`kept_answering_s`), to the first
+content of a request sent after it, and to /health "ok" again, the replica's own counts (requests re-admitted,
+those resumed from their clients' tokens, restarts, quarantined), and a JSON line.
 
     python -m benchmarks.engine_restart                      # 64 clients x 24 requests, engine killed at 5 s
     python -m benchmarks.engine_restart --kill replica       # the whole replica instead (Serve replaces it)
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     out = summarize(records, health, killed) | {"kill": args.kill, "wall_s": round(wall, 1), "load": os.getloadavg()[0]}
     out["replica"] = {k: stats.get(k)
-                      for k in ("engine_restarts", "kept", "readmitted", "lost_mid_stream", "quarantined")}
+                      for k in ("engine_restarts", "readmitted", "resumed", "quarantined")}
     print(f"{args.clients} clients x {args.requests} streaming requests (max_tokens {args.max_tokens}), kill "
           f"{args.kill} at {args.kill_at:.0f} s: {out['outcomes']}; 503 span {out['span_503_s']} s "
           f"({out['503_without_retry_after']} without Retry-After); in flight at the kill "

@@ -20,7 +20,7 @@ from mbd.decoding.constraint_spec import ConstraintError, ConstraintSpec
 from mbd.decoding.validate import EngineLimits, RequestError, validate_prompt, validate_request
 from mbd.tokenizer import Tokenizer, TokenizerError
 from serve_app.config import ServeConfig
-from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, field_path
+from serve_app.protocol import APIError, ChatCompletionRequest, SamplingFields, field_path
 
 MBD_FIELDS = ("buffer_size", "tau_add", "tau_semi", "tau_stable", "tau_m2t", "tau_t2t")
 
@@ -33,18 +33,25 @@ class RequestConverter:
         self.limits: EngineLimits | None = None
         self.name = cfg.model.name
 
-    def check_model(self, req: SamplingFields) -> None:
+    def check_fields(self, req: SamplingFields) -> None:
+        """The rules a schema cannot state that need no prompt: which model it names, rules across fields."""
         if req.model != self.name:
             raise APIError(404, f"model '{req.model}' does not exist; this server serves '{self.name}' "
                                 "(see GET /v1/models)", "model", "not_found_error", "model_not_found")
-
-    def check_completion(self, req: CompletionRequest) -> None:
-        self.check_model(req)
-
-    def check_chat(self, req: ChatCompletionRequest) -> None:
-        self.check_model(req)
-        if req.top_logprobs and not req.logprobs:
+        if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+
+    def engine_request(self, req: SamplingFields, prompts: list[list[int]], fields: list[str]
+                       ) -> tuple[DecodeConfig, ConstraintSpec | None]:
+        """The engine's side of a request with its encoded prompts (in the HTTP fields `fields`): the choices'
+        limit, the decoding parameters, the structured-output constraint and the engine's whole request check
+        per prompt. Raises APIError naming the field."""
+        self.check_choices(req, len(prompts))
+        params = self.params(req, max(len(p) for p in prompts))
+        constraint = self.constraint(req)
+        for ids, field in zip(prompts, fields):
+            self.check_request(ids, params, field, req)
+        return params, constraint
 
     # ---- prompts (these run in the tokenizer pool, off the event loop) ----
 

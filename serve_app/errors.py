@@ -16,12 +16,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ray.serve.exceptions import BackPressureError
+
+from actors.messages import RequestFailed, RequestQuarantined
+from mbd.decoding.validate import RequestError
+from serve_app.convert import bad_request
 from serve_app.metrics import IngressMetrics
 from serve_app.protocol import APIError, ErrorResponse, from_validation_error
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
 ERRORS = {400: "invalid request (error.param names the field)", 401: "missing or wrong API key",
           404: "unknown model or route", 413: "request body larger than http.max_body_bytes",
+          500: "this request crashed the engine on its trial, or the engine could not decode it (not retried)",
           503: "decoder at capacity or unavailable (Retry-After)"}
 RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {"schema": {"type": "string"},
@@ -42,6 +48,20 @@ def unavailable(message: str, retry_after_s: float) -> APIError:
 def internal(message: str) -> APIError:
     """A failure the client should not retry as it is (no Retry-After)."""
     return APIError(500, message, None, "server_error")
+
+
+def engine_failure(e: BaseException, retry_after_s: float) -> APIError:
+    """The one mapping of what a decoder replica answered into HTTP: its refusal of a field (400), a request
+    convicted of crashing the engine or that the engine could not decode (500: the same request would fail the
+    same way), at capacity (503 overloaded), else unavailable (503: the replica gave up or is gone; retry)."""
+    root = getattr(e, "cause", None) or e  # a RayTaskError keeps the decoder's own exception as `cause`
+    if isinstance(root, RequestError):
+        return bad_request(root)
+    if isinstance(root, (RequestQuarantined, RequestFailed)):
+        return internal(str(root))
+    if isinstance(e, BackPressureError):
+        return overloaded(e.retry_after_s if e.retry_after_s is not None else retry_after_s)
+    return unavailable("decoder unavailable; retry the request", retry_after_s)
 
 
 class BodyLimit:

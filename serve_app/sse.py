@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from fastapi.responses import StreamingResponse
 
 from serve_app.choices import Choice, Piece, Sync, mbd_stats, merge, usage
-from serve_app.protocol import ErrorBody, ErrorResponse, MBDStats, SamplingFields, Usage
+from serve_app.protocol import APIError, ErrorBody, ErrorResponse, MBDStats, SamplingFields, Usage
 
 log = logging.getLogger("ray.serve")
 DONE = "data: [DONE]\n\n"
@@ -31,11 +31,12 @@ def response(events: AsyncIterator[str]) -> StreamingResponse:
 
 async def events(req: SamplingFields, choices: list[Choice], prompts: list[list[int]], sync: Sync, buffer_size: int,
                  chunk: Callable[[Piece], Any], tail: Callable[[Usage | None, MBDStats], Any],
-                 on_done: Callable[[], None], heads: Sequence[Any] = ()) -> AsyncIterator[str]:
+                 on_done: Callable[[], None], failure: Callable[[BaseException], APIError],
+                 heads: Sequence[Any] = ()) -> AsyncIterator[str]:
     """The SSE stream: per-choice chunks as text is released (each leaves at once; only a choice's finishing
     chunk waits for the next one, since the last of them carries the MBD statistics), then
     (stream_options.include_usage) a chunk with no choices and the usage. A failure mid-way ends every
-    unfinished choice with finish_reason "error" and an error event (details stay in the server log)."""
+    unfinished choice with finish_reason "error" and an error event saying what `failure` makes of it."""
     finished: set[int] = set()
     last: Any = None
     sent: Choice = choices[0]  # the choice of `last`
@@ -70,12 +71,13 @@ async def events(req: SamplingFields, choices: list[Choice], prompts: list[list[
             yield event(last)
         if last is not None:
             sent.mark_sent()
-    except Exception:  # noqa: BLE001 - the status line is sent already: report in-band
+    except Exception as e:  # noqa: BLE001 - the status line is sent already: report in-band
         log.exception("generation failed mid-stream")
+        err = failure(e)
         if last is not None:
             yield event(last)
         for c in choices:
             if c.index not in finished:
                 yield event(chunk(Piece(c.index, "", [], None, "error")))
-        yield event(ErrorResponse(error=ErrorBody(message="generation failed; retry the request", type="server_error")))
+        yield event(ErrorResponse(error=ErrorBody(message=err.message, type="server_error", code=err.code)))
     yield DONE

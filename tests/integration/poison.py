@@ -2,7 +2,9 @@
 has no hook for it. A test sets `POISON_ENV` (token ids, comma-separated) and puts `SITE` on the import path of
 the process that starts engine processes (actors/launch.py hands its sys.path on as PYTHONPATH): Python
 then imports SITE's sitecustomize at each engine process's start, which wraps `Lockstep` so that a step with a
-prompt holding the poison raises, in the engine process only (the process given `actors.messages.FD_ENV`)."""
+prompt holding the poison raises, in the engine process only (the process given `actors.messages.FD_ENV`).
+`STEP_ENV` = N: a poisonous request crashes the engine on the N-th step it is in (in that engine process: a
+request resumed on a new one counts again); `PAIR_ENV` = 1: it crashes only beside another request (alone it runs clean)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import os
 from pathlib import Path
 
 POISON_ENV = "MBD_TEST_POISON"
+STEP_ENV = "MBD_TEST_POISON_STEP"
+PAIR_ENV = "MBD_TEST_POISON_PAIR"
 SITE = str(Path(__file__).parent / "poison_site")
 
 
@@ -25,18 +29,23 @@ def install() -> None:
     from actors.tp_worker import Lockstep
 
     poison = [int(t) for t in os.environ[POISON_ENV].split(",") if t]
+    nth, pair = int(os.environ.get(STEP_ENV, "1")), os.environ.get(PAIR_ENV) == "1"
     apply, step = Lockstep.apply, Lockstep.step
-    poisoned: set[str] = set()
+    poisoned: dict[str, int] = {}  # poisonous request -> steps it was in
 
     def apply_noting_poison(self: Lockstep, ops: list) -> list:
         refused = apply(self, ops)
         no = {r.request_id for r in refused}
-        poisoned.update(op.request_id for op in ops if isinstance(op, Add) and op.request_id not in no
+        poisoned.update((op.request_id, 0) for op in ops if isinstance(op, Add) and op.request_id not in no
                         and holds(op.prompt_ids, poison))
         return refused
 
     def step_unless_poisoned(self: Lockstep) -> list:
-        if poisoned.intersection(self.in_step()):
+        step_ids = self.in_step()
+        here = [rid for rid in step_ids if rid in poisoned]
+        for rid in here:
+            poisoned[rid] += 1
+        if any(poisoned[rid] >= nth for rid in here) and (not pair or len(step_ids) >= 2):
             raise RuntimeError(f"{POISON_ENV}: a poisonous request is in the step")
         return step(self)
 

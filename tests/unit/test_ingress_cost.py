@@ -1,7 +1,7 @@
 """Which chats the ingress renders on its event loop: the cost counts each message, not only its characters, so a
 body of many empty messages goes to the tokenizer pool."""
 
-from serve_app.ingress import INLINE_COST, MESSAGE_COST, chat_cost
+from serve_app.render import INLINE_COST, MESSAGE_COST, chat_cost
 
 
 def test_every_message_costs_something_however_short():

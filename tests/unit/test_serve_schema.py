@@ -14,8 +14,8 @@ pytest.importorskip("schemathesis")
 
 
 class AdmittingIngress:
-    """`OpenAIIngress`'s checks in its order (serve_app/ingress.py: `completions`, `chat`, `_start`), then the
-    engine's own check in place of a decoder."""
+    """`OpenAIIngress`'s checks in its order (serve_app/ingress.py `_generate`), then the engine's own check in
+    place of a decoder."""
 
     def __init__(self, cfg, engine, tok):
         self.cfg, self.engine, self.metrics = cfg, engine, None
@@ -23,20 +23,18 @@ class AdmittingIngress:
         self.convert.limits = engine.limits
 
     async def completions(self, req):
-        self.convert.check_completion(req)
-        return self._admit(req, self.convert.encode_prompts(req.prompt))
+        self.convert.check_fields(req)
+        prompts = self.convert.encode_prompts(req.prompt)
+        return self._admit(req, prompts, ["prompt"] if len(prompts) == 1 else
+                           [f"prompt[{i}]" for i in range(len(prompts))])
 
     async def chat(self, req):
-        self.convert.check_chat(req)
-        return self._admit(req, [self.convert.encode_chat(self.convert.messages(req))])
+        self.convert.check_fields(req)
+        return self._admit(req, [self.convert.encode_chat(self.convert.messages(req))], ["messages"])
 
-    def _admit(self, req, prompts: list[list[int]]) -> dict:
-        c = self.convert
-        c.check_choices(req, len(prompts))
-        params = c.params(req, max(len(p) for p in prompts))
-        constraint = c.constraint(req)
+    def _admit(self, req, prompts: list[list[int]], fields: list[str]) -> dict:
+        params, constraint = self.convert.engine_request(req, prompts, fields)
         for ids in prompts:
-            c.check_request(ids, params, "prompt", req)
             try:
                 self.engine.check_request(ids, params, constraint)
             except ConstraintError as e:

@@ -1,6 +1,6 @@
 """The supervision policy of a decoder replica (actors/supervisor.py): which engine exits are evidence against the
-requests of the step, when a suspect is failed, the restart back-off, and how the host tries suspects (one at a
-time, until their first step)."""
+requests of the step, how trials find the request that crashes the engine (and never convict one that was not
+alone in its step), what counts toward giving up, and the restart back-off."""
 
 import asyncio
 import pickle
@@ -14,12 +14,11 @@ import torch.distributed as dist
 from actors.engine_host import EngineHost
 from actors.engine_process import collective_failure
 from actors.messages import Abort, Add, EngineDead, Failed, Refusal, Running, Stepped
-from actors.streams import Counts, Next, Stream
-from actors.supervisor import EngineRestarts, convicted, died_by_itself, exit_status, rank_lost
+from actors.streams import Counts, Stream, TrialOver
+from actors.supervisor import EngineRestarts, ExitLog, Trials, died_by_itself, exit_status, rank_lost
 from actors.tp_worker import Lockstep
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding import Engine
-from mbd.decoding.outputs import StepOutput
 from mbd.decoding.validate import RequestError
 from mbd.model import build_model
 from serve_app.config import ServeConfig
@@ -41,11 +40,69 @@ def test_died_by_itself(code, by_host, lost, want):
     assert died_by_itself(code, by_host, lost) is want
 
 
-def test_a_suspect_is_convicted_only_alone_and_within_the_window():
-    assert convicted(alone=True, suspected_at=100.0, now=130.0, window_s=60.0)
-    assert not convicted(alone=False, suspected_at=100.0, now=130.0, window_s=60.0)  # not alone: bisect further
-    assert not convicted(alone=True, suspected_at=None, now=130.0, window_s=60.0)  # first crash: re-run it alone
-    assert not convicted(alone=True, suspected_at=100.0, now=160.5, window_s=60.0)  # suspicion expired
+def test_an_engine_that_reported_its_own_exception_died_by_itself_however_it_ended():
+    """It raised (its `Failed` says so) and was then killed by the host for exiting too slowly: still its doing."""
+    assert died_by_itself(-signal.SIGKILL, killed_by_host=True, rank_lost=False, raised=True)
+    assert not died_by_itself(1, killed_by_host=False, rank_lost=True, raised=True)
+
+
+def try_until_done(step: list[str], crashes: callable) -> tuple[list[str], int]:
+    """Drive `Trials` as the host does: the engine died with `step` in it; each trial group runs alone, and
+    `crashes(group)` says whether its step kills the engine. Returns (convicted, crashes during trials)."""
+    t, convicted, n = Trials(), [], 0
+    t.suspect(step)
+    while (group := t.start()) is not None:
+        if crashes(group):
+            n += 1
+            if (who := t.crashed(sorted(group))) is not None:
+                convicted.append(who)
+        else:
+            for rid in sorted(group):
+                t.cleared(rid)
+        assert n <= 4 * len(step), "the trials must end"
+    return convicted, n
+
+
+def test_trials_find_one_culprit_among_innocents_in_log_time():
+    step = [f"i{k}" for k in range(4)] + ["p"] + [f"i{k}" for k in range(4, 8)]
+    convicted, n = try_until_done(step, lambda g: "p" in g)
+    assert convicted == ["p"] and n <= 4  # 9 suspects: halves 4/5, then 2/3, 1/2, 1: at most 4 trial crashes
+
+
+def test_two_culprits_are_both_convicted_and_nobody_else():
+    convicted, _ = try_until_done(["a", "p", "b", "c", "q", "d"], lambda g: bool({"p", "q"} & g))
+    assert sorted(convicted) == ["p", "q"]
+
+
+def test_a_request_that_crashes_only_beside_another_is_never_convicted():
+    convicted, n = try_until_done(["a", "p", "b", "c"], lambda g: "p" in g and len(g) > 1)
+    assert convicted == [] and n >= 1
+
+
+def test_a_single_suspect_is_tried_alone_before_its_conviction():
+    t = Trials()
+    t.suspect(["p"])
+    assert t.start() == {"p"} and t.crashed(["p"]) == "p" and t.start() is None
+
+
+def test_trial_members_not_in_the_dying_step_are_tried_after_its_halves():
+    t = Trials()
+    t.queue.append(["a", "b", "c", "d"])
+    t.start()
+    assert t.crashed(["b", "c"]) is None  # a, d waited for a row: not in the step
+    assert list(t.queue) == [["b"], ["c"], ["a", "d"]]
+
+
+def test_exits_count_until_a_conviction_explains_them_once_the_engine_has_served():
+    log = ExitLog(EngineRestarts(limit=1, window_s=60))
+    assert log.add(100.0, {"p", "a"}) == 1 and not log.gives_up(100.0)
+    log.explain("p", 101.0)  # nothing served yet: the engine may be what cannot run
+    assert log.count(101.0) == 1
+    log.served_at = 102.0
+    log.explain("p", 103.0)
+    assert log.count(103.0) == 0
+    log.add(104.0), log.add(105.0)  # two failed starts
+    assert log.gives_up(105.0) and not log.gives_up(170.0)  # older than the window: no longer counted
 
 
 def test_restart_backoff_and_exit_status():
@@ -96,54 +153,21 @@ def test_a_lost_rank_is_read_from_rank_0s_own_report():
     assert not collective_failure(MemoryError())
 
 
-class _Conn:
-    def __init__(self):
-        self.sent = []
-
-    def send(self, msg):
-        self.sent.append(msg.request_id)
-
-
-def _bare_host(suspected: list[str], waiting: list[str]) -> tuple[EngineHost, asyncio.AbstractEventLoop]:
-    """A host past a restart, without engine process or threads: what `_send_waiting` and `_publish` decide."""
+def _bare_host(waiting: list[str]) -> tuple[EngineHost, asyncio.AbstractEventLoop]:
+    """A host without engine process or threads (what its supervisor's transitions decide)."""
     host, loop = EngineHost.__new__(EngineHost), asyncio.new_event_loop()
-    host._lock, host._outbox, host._conn, host._solo, host.state = threading.Lock(), queue.SimpleQueue(), _Conn(), \
-        None, "restarting"
-    host.counts = Counts()
-    host._streams = {rid: Stream(loop, asyncio.Queue(), Add(rid, [1], DecodeConfig()), per_block=False,
-                                 suspected=1.0 if rid in suspected else None) for rid in suspected + waiting}
+    host._lock, host._outbox, host.state, host._error = threading.Lock(), queue.SimpleQueue(), "serving", None
+    host.counts, host._on_count, host._workers = Counts(), None, []
+    host._streams = {rid: Stream(loop, asyncio.Queue(), Add(rid, [1], DecodeConfig()), per_block=False)
+                     for rid in waiting}
     return host, loop
-
-
-def _step(host: EngineHost, *rids: str) -> None:
-    """One step's outputs (a token each) reach the host; it handles what they put in its outbox."""
-    host._publish([StepOutput(rid, [5], False, None, 1, 1) for rid in rids])
-    while not host._outbox.empty():
-        assert isinstance(host._outbox.get(), Next)
-        host._send_waiting()
-
-
-def test_suspects_are_tried_one_at_a_time_until_their_first_step_then_the_queue_drains():
-    host, loop = _bare_host(["b", "p"], ["c", "d"])
-    try:
-        assert host._send_waiting(restarted=True) == 1 and host._conn.sent == ["b"]
-        assert host._send_waiting() == 0  # b is on trial: nothing else goes
-        _step(host, "b")  # b survived its first step: cleared, p's trial begins beside it
-        assert host._conn.sent == ["b", "p"] and host._streams["b"].suspected is None
-        _step(host, "b")
-        assert host._conn.sent == ["b", "p"]
-        _step(host, "b", "p")  # p cleared: every waiting request goes, in order, and new ones go at once
-        assert host._conn.sent == ["b", "p", "c", "d"] and host._solo is None and host.state == "ok"
-        assert host.counts.readmitted == 4
-    finally:
-        loop.close()
 
 
 def test_a_supervisor_that_fails_gives_up_and_the_health_check_says_so():
     """An unexpected exception in the supervisor thread fails the host (its requests get EngineDead) instead of
     leaving it "restarting" for ever; a supervisor thread that is gone fails the health check even so."""
-    host, loop = _bare_host([], ["a"])
-    host._workers, host._stopping, host.state = [], threading.Event(), "ok"
+    host, loop = _bare_host(["a"])
+    host._stopping = threading.Event()
     host._reader = host._supervisor = threading.Thread(target=lambda: None)
     host._reader.start()
     host._reader.join()
@@ -155,7 +179,7 @@ def test_a_supervisor_that_fails_gives_up_and_the_health_check_says_so():
             raise KeyError("a bug")
 
         host._handle = broken
-        host._outbox.put(Next())
+        host._outbox.put(TrialOver())
         host._supervise()  # returns: it gave up
         assert host.state == "failed" and host._streams == {}
         with pytest.raises(EngineDead, match="the engine supervisor failed: KeyError"):
