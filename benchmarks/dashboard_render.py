@@ -1,12 +1,10 @@
-"""The dashboard's panels from a real local run under load, drawn with matplotlib (no Grafana here): a local Ray
-cluster serves the embedded tiny model, client threads send a mix of requests for `--seconds` (plain and
-streamed, a shared prefix, structured output, some refused), a real Prometheus (Debian's `prometheus` binary)
-scrapes every node's metrics export port with deploy/prometheus/prometheus.yml, and each panel of
-deploy/grafana/mbd.json is its PromQL evaluated by that Prometheus over the run (`$model` = all,
-`$__rate_interval` = 20 s).
-
-The clusters `mbd` and the tests start run without Ray's dashboard, which is what writes the service discovery
-file; this script writes one of the same format (targets: the nodes' export ports) and points the config at it.
+"""The dashboard's panels from a plain `mbd serve` under load, drawn with matplotlib (no Grafana here):
+`mbd serve --config configs/serve/tiny.yaml` serves the embedded tiny model on a local cluster of its own (free
+API and metrics ports), client threads send a mix of requests for `--seconds` (plain and streamed, a shared
+prefix, structured output, some refused), a real Prometheus (Debian's `prometheus` package) runs with
+deploy/prometheus/prometheus.yml as it is, finding the cluster through the service discovery file `mbd serve`
+writes, and each panel of deploy/grafana/mbd.json is its PromQL evaluated by that Prometheus over the run as
+Grafana would (`$model` = all, `$__rate_interval` = Grafana's for the config's scrape interval).
 
     python -m benchmarks.dashboard_render --out docs/img/dashboard-tiny.png --seconds 240
 """
@@ -14,14 +12,17 @@ file; this script writes one of the same format (targets: the nodes' export port
 from __future__ import annotations
 
 import argparse
-import json
+import collections
 import random
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
@@ -29,11 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from actors.tp_worker import free_port  # noqa: E402
-from serve_app.config import load_serve_config  # noqa: E402
-from tests.integration.multinode import LocalCluster  # noqa: E402
-from tests.integration.scrape import export_ports  # noqa: E402
+from tests.integration.prometheus import panel_targets, prometheus, query_range, scrape_interval_s  # noqa: E402
 
-SCRAPE_S = 2
 SHARED = "You are a careful assistant. Answer in one short line. " * 4
 
 
@@ -66,55 +64,57 @@ def load(url: str, until: float, seed: int) -> None:
                 c.post(url, json=b)
 
 
-def start_prometheus(work: Path, ports: list[int]) -> tuple[subprocess.Popen, int]:
-    """Prometheus on a free port with the repository's config, its discovery file pointed at `ports`."""
-    sd = work / "prom_metrics_service_discovery.json"
-    sd.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": [f"127.0.0.1:{p}" for p in ports]}]))
-    cfg = (ROOT / "deploy/prometheus/prometheus.yml").read_text()
-    cfg = cfg.replace("/tmp/ray/prom_metrics_service_discovery.json", str(sd)).replace("10s", f"{SCRAPE_S}s")
-    (work / "prometheus.yml").write_text(cfg)
-    port = free_port()
-    proc = subprocess.Popen(["prometheus", f"--config.file={work / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return proc, port
+@contextmanager
+def mbd_serve(port: int, metrics_port: int) -> Iterator[None]:
+    """`mbd serve` on the tiny config as a user starts it, until it prints that it serves; SIGTERM on exit (it ends
+    every process of its cluster)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "serve", "--config", "configs/serve/tiny.yaml",
+                             "--port", str(port), "--metrics-port", str(metrics_port)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    try:
+        for line in proc.stdout:
+            tail.append(line)
+            if line.startswith("mbd serve: "):
+                print(line, end="", flush=True)
+            if "Ctrl-C to stop" in line:
+                break
+        else:
+            raise RuntimeError(f"mbd serve exited with {proc.wait()} before serving:\n{''.join(tail)}")
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain Ray's output
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(180)
 
 
-def query(prom: int, expr: str, start: float, end: float) -> list[tuple[str, list[float], list[float]]]:
-    """(series labels, times, values) of a PromQL range query."""
-    expr = expr.replace('"$model"', '".*"').replace("$__rate_interval", "20s")
-    r = httpx.get(f"http://127.0.0.1:{prom}/api/v1/query_range",
-                  params={"query": expr, "start": start, "end": end, "step": SCRAPE_S}, timeout=30).json()
-    assert r["status"] == "success", (expr, r)
-    return [(json.dumps(s["metric"]), [float(t) - start for t, _ in s["values"]],
-             [float(v) for _, v in s["values"]]) for s in r["data"]["result"]]
-
-
-def legend(fmt: str, labels: str) -> str:
-    lab = json.loads(labels)
-    for k, v in lab.items():
+def legend(fmt: str, labels: dict[str, str]) -> str:
+    for k, v in labels.items():
         fmt = fmt.replace("{{" + k + "}}", v.rsplit("#", 1)[-1][:12])
     return fmt
 
 
-def render(prom: int, start: float, end: float, out: Path) -> None:
+def render(prom: str, start: float, end: float, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = json.loads((ROOT / "deploy/grafana/mbd.json").read_text())["panels"]
-    fig, axes = plt.subplots((len(panels) + 2) // 3, 3, figsize=(18, 3.2 * ((len(panels) + 2) // 3)))
-    for ax, panel in zip(axes.flat, panels):
-        for t in panel["targets"]:
-            for labels, xs, ys in query(prom, t["expr"], start, end):
-                ax.plot(xs, ys, label=legend(t["legendFormat"], labels))
-        ax.set_title(panel["title"], fontsize=10)
+    step = scrape_interval_s()
+    titles = list(dict.fromkeys(title for title, _, _ in panel_targets(".*", step)))
+    fig, axes = plt.subplots((len(titles) + 2) // 3, 3, figsize=(18, 3.2 * ((len(titles) + 2) // 3)))
+    axis = dict(zip(titles, axes.flat))
+    for title, fmt, expr in panel_targets(".*", step):
+        for series in query_range(prom, expr, start, end, step):
+            xs = [float(t) - start for t, _ in series["values"]]
+            axis[title].plot(xs, [float(v) for _, v in series["values"]], label=legend(fmt, series["metric"]))
+    for title, ax in axis.items():
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("s into the run", fontsize=8)
         ax.tick_params(labelsize=8)
         if ax.lines:
             ax.legend(fontsize=7, loc="upper left")
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(titles):]:
         ax.axis("off")
     fig.suptitle("deploy/grafana/mbd.json panels, evaluated by Prometheus over a local tiny-model run and drawn "
                  "with matplotlib (not a Grafana screenshot)", fontsize=12)
@@ -129,36 +129,20 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=240)
     ap.add_argument("--clients", type=int, default=4)
     a = ap.parse_args()
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    # a busy machine can take longer than Serve's 5 s to ready its proxy
-    cluster = LocalCluster(head_cpus=2, object_store_mb=300).start(env={"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"})
-    prom = None
-    try:
-        cluster.connect()
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"serve_config": load_serve_config(ROOT / "configs/serve/tiny.yaml")}), name="tiny")
-        with tempfile.TemporaryDirectory(prefix="mbd-prom-") as work:
-            prom, prom_port = start_prometheus(Path(work), export_ports())
-            start = time.time()
-            until = time.monotonic() + a.seconds
-            threads = [threading.Thread(target=load, args=(f"http://127.0.0.1:{port}/v1/completions", until, i))
-                       for i in range(a.clients)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            time.sleep(4 * SCRAPE_S + 10)  # the metrics agent's export, then a scrape
-            render(prom_port, start, time.time(), a.out)
-            print(f"wrote {a.out}")
-    finally:
-        if prom is not None:
-            prom.terminate()
-            prom.wait()
-        cluster.shutdown()
+    port = free_port()
+    with mbd_serve(port, free_port()), tempfile.TemporaryDirectory(prefix="mbd-prom-") as work, \
+            prometheus(Path(work)) as prom:
+        start = time.time()
+        until = time.monotonic() + a.seconds
+        threads = [threading.Thread(target=load, args=(f"http://127.0.0.1:{port}/v1/completions", until, i))
+                   for i in range(a.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        time.sleep(2 * scrape_interval_s() + 10)  # the metrics agent's export, then a scrape
+        render(prom, start, time.time(), a.out)
+        print(f"wrote {a.out}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,11 @@
 Starts a local Ray instance (or joins `--address` / RAY_ADDRESS), binds HTTP to the config's host (loopback
 by default) and tears everything down on Ctrl-C or SIGTERM. On Kubernetes the same app is deployed by the
 RayService in deploy/rayservice.yaml instead.
+
+Metrics where operators look: a local cluster exports Ray's metrics on `metrics.port` (8080, as KubeRay's nodes;
+`--metrics-port`), writes Prometheus' service discovery file for deploy/prometheus/prometheus.yml
+(pipelines/metrics_sd.py) and, when ready, prints the scrape URLs; the app's own series are also at `GET /metrics`
+on the API port.
 """
 
 from __future__ import annotations
@@ -10,14 +15,20 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from mbd.config import ConfigError
 from mbd.plan_check import check_serve
 from serve_app.config import load_serve_config
+
+if TYPE_CHECKING:
+    from pipelines.metrics_sd import ServiceDiscovery
+
+SD_REFRESH_S = 5.0  # how often the discovery file follows nodes joining and leaving (as Ray's dashboard does)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -25,6 +36,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="a configs/serve/*.yaml file")
     p.add_argument("--host", help="override http.host (0.0.0.0 exposes the server beyond this machine)")
     p.add_argument("--port", type=int, help="override http.port")
+    p.add_argument("--metrics-port", type=int,
+                   help="override metrics.port: Ray's metrics export port of the local cluster (default 8080)")
     p.add_argument("--model", "--model-path", dest="model_path",
                    help="override model.path: a checkpoint directory or a Hugging Face Hub id ORG/NAME[@REVISION]")
     p.add_argument("--cache", help="override engine.compile_cache (a folder `mbd warmup` filled)")
@@ -39,10 +52,34 @@ def _stop(*_: object) -> None:
     raise KeyboardInterrupt
 
 
+def _listening(port: int) -> bool:
+    """Whether something listens on `port` (any interface). SO_REUSEADDR, as Ray's exporter binds: connections of
+    a previous server still in TIME_WAIT do not count."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def metrics_port_clash(port: int, http_port: int) -> str | None:
+    """Why the local cluster cannot export its metrics on `port`, or None. Checked before Ray starts: a taken port
+    fails the node's metrics agent later, far from its cause."""
+    if port == http_port:
+        return f"metrics.port {port} is http.port too: give one of them another port (--metrics-port, --port)"
+    if _listening(port):
+        return (f"metrics.port {port} is in use (another `mbd serve` or Ray node on this machine?): free it or "
+                f"pass --metrics-port PORT")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = load_serve_config(args.config, args.sets)
+        sets = args.sets + ([f"metrics.port={args.metrics_port}"] if args.metrics_port is not None else [])
+        cfg = load_serve_config(args.config, sets)
     except ConfigError as e:
         print(f"mbd serve: {e}", file=sys.stderr)
         return 2
@@ -67,22 +104,49 @@ def main(argv: list[str] | None = None) -> int:
     if http.host not in {"127.0.0.1", "localhost", "::1"} and not http.api_key:
         print(f"mbd serve: warning: listening on {http.host} without an API key (set MBD_API_KEY)", file=sys.stderr)
 
+    from pipelines.ray_session import named_address
+
+    local = named_address(args.address) is None
+    if local and (clash := metrics_port_clash(cfg.metrics.port, http.port)):
+        print(f"mbd serve: {clash}", file=sys.stderr)
+        return 2
+
     print(f"mbd serve: {cfg.engine.summary()}", flush=True)
     from ray import serve
 
+    from pipelines.metrics_sd import ServiceDiscovery
     from pipelines.ray_session import ray_cluster
     from serve_app.app import build_app
+    from serve_app.exposition import export_addresses
 
     signal.signal(signal.SIGTERM, _stop)
     # a new local cluster unless one is named (never a leftover); on exit every process it started has ended
-    with ray_cluster(args.address), _serving():
+    with ray_cluster(args.address, **({"_metrics_export_port": cfg.metrics.port} if local else {})) as started, \
+            _serving():
         serve.start(http_options={"host": http.host, "port": http.port})
         serve.run(build_app({"serve_config": cfg}), name=args.name, route_prefix=http.route_prefix)
-        url = f"http://{http.host}:{http.port}{http.route_prefix.rstrip('/')}/v1"
-        print(f"mbd serve: '{cfg.model.name}' at {url} (Ctrl-C to stop)", flush=True)
+        sd = ServiceDiscovery() if started else None  # a joined cluster's dashboard writes its own
+        if sd is not None:
+            _refresh(sd)
+        base = f"http://{http.host}:{http.port}{http.route_prefix.rstrip('/')}"
+        nodes = ", ".join(f"http://{a}/metrics" for a in export_addresses())
+        found = f"; Prometheus file_sd: {sd.link}" if sd is not None else ""
+        print(f"mbd serve: metrics at {base}/metrics (this app's series) and Ray's export {nodes}{found}", flush=True)
+        print(f"mbd serve: '{cfg.model.name}' at {base}/v1 (Ctrl-C to stop)", flush=True)
         while True:
-            time.sleep(3600)
+            time.sleep(SD_REFRESH_S)
+            if sd is not None:
+                _refresh(sd)
     return 0
+
+
+def _refresh(sd: ServiceDiscovery) -> None:
+    """The discovery file brought up to date; a refresh that fails (the GCS busy, the disk full) is reported and
+    the next one retries, while the service goes on."""
+    try:
+        sd.refresh()
+    except Exception as e:  # noqa: BLE001 - whatever it was, serving must not stop for it
+        print(f"mbd serve: warning: {sd.path} not refreshed: {e!r}", file=sys.stderr, flush=True)
 
 
 @contextmanager

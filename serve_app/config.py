@@ -76,6 +76,12 @@ class HTTPSpec(StrictModel):
     max_body_bytes: int = Field(default=DEFAULT_MAX_BODY, ge=1024, description="larger request bodies get 413")
 
 
+class MetricsSpec(StrictModel):
+    port: int = Field(default=8080, ge=1, le=65535, description=(
+        "Ray's metrics export port on the local cluster `mbd serve` starts (KubeRay's 8080; --metrics-port); a "
+        "cluster it joins keeps its own"))
+
+
 class ServeConfig(StrictModel):
     model: ModelSpec
     engine: EngineConfig = EngineConfig()
@@ -84,6 +90,7 @@ class ServeConfig(StrictModel):
     decoder: DecoderDeployment = DecoderDeployment()
     ingress: IngressDeployment = IngressDeployment()
     http: HTTPSpec = HTTPSpec()
+    metrics: MetricsSpec = MetricsSpec()
 
     @model_validator(mode="after")
     def _rows_can_fill(self) -> "ServeConfig":

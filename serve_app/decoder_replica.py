@@ -24,6 +24,7 @@ class Decoder(EngineHost):
 
     def __init__(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, restarts: EngineRestarts):
         self.metrics = DecoderMetrics(spec.name)
+        self.metrics.declare()  # exported at 0 while the engine loads, not only after its first event
         super().__init__(spec, decode, engine, restarts, on_step=self.metrics.update, on_count=self.metrics.count)
 
     def check_health(self) -> None:

@@ -1,14 +1,19 @@
 """Service metrics through `ray.serve.metrics`, under the names Ray Serve LLM users chart (vLLM's, with the `mbd_`
 prefix) plus the Block Buffer's own. Ray's exporter prefixes `ray_` and Serve adds the deployment, replica and
 application tags; every metric here also carries `model_name`. Created inside replicas: metric objects need a
-running Ray worker. docs/serving.md lists the names as the scrape shows them."""
+running Ray worker. Each replica records 0 on its counters and gauges as it starts (`declare`), so that a dashboard
+shows 0, not "no data", before the first event (a Ray series is exported once it has a value), and the decoder
+records its gauges again while they do not change (Ray drops a gauge that is not). docs/serving.md lists the names
+as the scrape shows them."""
 
 from __future__ import annotations
 
 import functools
 import re
+import threading
+import time
 import types
-from typing import Annotated, Any, Iterator, Union, get_args, get_origin
+from typing import Annotated, Any, Iterable, Iterator, Union, get_args, get_origin
 
 from pydantic import BaseModel
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -20,6 +25,9 @@ TOKEN_LATENCY_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 TPF = [0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128]
 NFE = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 MODEL = ("model_name",)
+# Ray's metrics agent drops a gauge series its worker did not record again within 2 export intervals (20 s at Ray's
+# default 10 s; Ray 2.60), so the decoder records its gauges again this often: at most every export interval >= 2 s
+GAUGE_REFRESH_S = 2.0
 
 
 def _named(metric: Any, model: str) -> Any:
@@ -30,6 +38,12 @@ def _named(metric: Any, model: str) -> Any:
 def _inc(counter: Counter, n: float, tags: dict[str, str] | None = None) -> None:
     if n > 0:  # Ray counters refuse inc(0)
         counter.inc(n, tags=tags)
+
+
+def _zero(counter: Counter, tags: dict[str, str] | None = None) -> None:
+    """The series at 0. `inc` refuses 0, so this records through `Metric._record`, the call `inc` makes once it has
+    checked its value (Ray's exporter then shows the series at 0.0; Ray 2.60)."""
+    counter._record(0, tags=tags)
 
 
 def _paths(tp: Any, path: str) -> Iterator[str]:
@@ -92,6 +106,15 @@ class IngressMetrics:
         self.tpf = histogram("mbd_tokens_per_forward", "tokens per forward (TPF) of a request", TPF)
         self.nfe = histogram("mbd_forwards_per_request", "model forwards (NFE) of a request", NFE)
 
+    def declare(self, endpoints: Iterable[str]) -> None:
+        """Every counter at 0: the plain ones, `http_requests` per endpoint with status 200 (what the dashboard's
+        `model` variable lists models from) and `requests_refused` as status 400 naming no field."""
+        for c in (self.prompt_tokens, self.generation_tokens):
+            _zero(c)
+        for e in endpoints:
+            _zero(self.requests, {"endpoint": e, "status": "200"})
+        _zero(self.refused, {"status": "400", "field": "none"})
+
     def request(self, endpoint: str, status: int) -> None:
         self.requests.inc(tags={"endpoint": endpoint, "status": str(status)})
 
@@ -120,6 +143,7 @@ class DecoderMetrics:
     preemptions / prefix-cache counters, and the Block Buffer's active blocks per forward, buffer occupancy and the
     structured-output share of a step, each over the interval since the previous report."""
 
+    GAUGES = ("running", "waiting", "kv_usage", "active", "occupancy", "guided")
     COUNTED = {"preemptions": "preemptions", "prefix_query_tokens": "prefix_queries",
                "prefix_hit_tokens": "prefix_hits"}
 
@@ -145,20 +169,44 @@ class DecoderMetrics:
         self.restarts = counter("mbd_engine_restarts", "engine processes restarted after an exit")
         self.quarantined = counter("mbd_requests_quarantined", "requests failed as suspects of engine exits")
         self._last: dict[str, float] = {}
+        self._gauges: dict[str, float] = {}  # each gauge's last value, recorded again by `_keep`
+        self._gauges_lock = threading.Lock()
+
+    def declare(self) -> None:
+        """Every gauge and counter at 0, as an idle engine that never restarted reports them; from now on the gauges
+        are recorded again every GAUGE_REFRESH_S by a thread of their own, so that an idle engine's 0 running
+        requests stay on the scrape (Ray drops a gauge not recorded again) instead of turning into "no data"."""
+        for name in self.GAUGES:
+            self._set(name, 0.0)
+        for c in (self.preemptions, self.prefix_queries, self.prefix_hits, self.restarts, self.quarantined):
+            _zero(c)
+        threading.Thread(target=self._keep, name="mbd-metrics-gauges", daemon=True).start()
+
+    def _set(self, gauge: str, value: float) -> None:
+        with self._gauges_lock:
+            self._gauges[gauge] = value
+            getattr(self, gauge).set(value)
+
+    def _keep(self) -> None:
+        while True:
+            time.sleep(GAUGE_REFRESH_S)
+            with self._gauges_lock:
+                for gauge, value in self._gauges.items():
+                    getattr(self, gauge).set(value)
 
     def update(self, stats: dict[str, float]) -> None:
-        self.running.set(stats["running"])
-        self.waiting.set(stats["waiting"])
-        self.kv_usage.set(stats["kv_pages_used"] / max(stats["kv_pages"], 1))
+        self._set("running", stats["running"])
+        self._set("waiting", stats["waiting"])
+        self._set("kv_usage", stats["kv_pages_used"] / max(stats["kv_pages"], 1))
         d = {k: v - self._last.get(k, 0.0) for k, v in stats.items()}
         if self._last.get("engine_pid") != stats["engine_pid"]:  # a new engine process counts from zero again
             d.update({k: stats[k] for k in ("steps", "step_s", "grammar_s", "decode_rows", "active_blocks",
                                             "resident_blocks", "preemptions", "prefix_query_tokens",
                                             "prefix_hit_tokens")})
         if d["steps"] > 0:
-            self.active.set(d["active_blocks"] / d["steps"])
-            self.occupancy.set(d["resident_blocks"] / max(d["decode_rows"] * stats["buffer_size"], 1))
-            self.guided.set(d["grammar_s"] / d["step_s"] if d["step_s"] > 0 else 0.0)
+            self._set("active", d["active_blocks"] / d["steps"])
+            self._set("occupancy", d["resident_blocks"] / max(d["decode_rows"] * stats["buffer_size"], 1))
+            self._set("guided", d["grammar_s"] / d["step_s"] if d["step_s"] > 0 else 0.0)
         for key, attr in self.COUNTED.items():
             _inc(getattr(self, attr), d[key])
         self._last = dict(stats)

@@ -7,12 +7,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import Field, create_model
+from ray import serve
 
 from mbd.checkpoint_files import read_model_config
-from serve_app import errors
-from serve_app.errors import RESPONSES
+from serve_app import errors, exposition
+from serve_app.errors import ENDPOINTS, RESPONSES, unavailable
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, ModelList, prompt_type
 from serve_app.schema_rules import Int
 
@@ -31,6 +33,13 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             schema.get("components", {}).get("schemas", {}).pop(name, None)
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Prometheus text exposition format 0.0.4",
+          "content": {"text/plain": {"schema": {"type": "string"}}}},
+    503: RESPONSES[503] | {"description": "no node's metrics export endpoint answered (Retry-After)"},
+}
 
 
 @dataclass(frozen=True)
@@ -85,11 +94,23 @@ def http_app(ing: "OpenAIIngress", api_key: str | None) -> FastAPI:
     app = FastAPI(title="mbd-lm", description="OpenAI-compatible API for Multi-Block Diffusion LMs")
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     errors.install(app, api_key, ing.cfg.http.max_body_bytes, ing.metrics)
+    if ing.metrics is not None:
+        ing.metrics.declare(ENDPOINTS)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         """200 while the HTTP path is up; the body says how the decoder is (`OpenAIIngress.health`)."""
         return JSONResponse({"status": await ing.health()})
+
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
+    async def metrics() -> Response:
+        """This application's `ray_mbd_*` series in Prometheus' text format, gathered from the Ray metrics export
+        port of every node (serve_app/exposition.py; docs/serving.md, "Metrics and the dashboard"). No API key,
+        as /health and vLLM's /metrics: the series hold counts and latencies, never a request's content."""
+        text = await exposition.gather(serve.get_replica_context().app_name)
+        if text is None:
+            raise unavailable("no node's metrics export endpoint answered", ing.cfg.decoder.retry_after_s)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses={k: RESPONSES[k] for k in (401,)})
     async def models() -> ModelList:
