@@ -10,8 +10,9 @@ Two measurements:
    "no valid solution continues it"; an early EOS is wrong too). It is attributed to the rule that filled it
    (`m2t`: confidence > tau_m2t; `fallback_first`: the top-1 fallback of a slot whose predecessor is complete or
    cached; `fallback_semi`: the top-1 fallback licensed by a semi-complete, unfinished predecessor), its slot in
-   the running-set, its block's filled tokens and the preceding block's filled tokens when it was filled, and the
-   preceding block's filled tokens when its block was activated. The same fields over EVERY fill of those
+   the running-set, its block's filled tokens, the preceding block's filled tokens and the mask tokens left in all
+   earlier resident blocks (`masks_before`, 3 = 3 or more) when it was filled, and the preceding block's filled
+   tokens when its block was activated. The same fields over EVERY fill of those
    decodes give the base rates, so over-represented states stand out.
 2. Teacher-forced CE of a block's masked tokens by state (preceding block's masked count m_prev, own masked
    count m_cur), block-causal attention over [clean prefix, preceding block, block], base vs MBD-tiny. SingleBD
@@ -72,6 +73,7 @@ class RecordingNaive(NaiveMultiBD):
                 rule = "m2t" if conf[i] > p.tau_m2t else ("fallback_first" if prev_done else "fallback_semi")
                 self.fills[first_pos + i] = {"rule": rule, "slot": j, "own_filled": filled[j],
                                              "prev_filled": filled[j - 1] if j > 0 else B,
+                                             "masks_before": min(sum(B - f for f in filled[:j]), 3),
                                              "active": len(blocks) - n_tc, "block": first_pos // B + j}
         return out
 
@@ -104,7 +106,7 @@ def attribute(model_dir: Path, cfg: DecodeConfig, records: list[dict]) -> dict:
         res = ref.generate(ids[:prompt_len])
         text = tok.decode(res.token_ids)
         for f in ref.fills.values():
-            base_rate[(f["rule"], f["slot"], f["prev_filled"])] += 1
+            base_rate[(f["rule"], f["slot"], f["prev_filled"], f["masks_before"])] += 1
         i = first_wrong(text, valid_solutions(r["fields"]))
         if i is None:  # the naive decode solved it (a tie the engine broke the other way): nothing to attribute
             continue
@@ -150,7 +152,7 @@ def table(first: list[dict], base_rate: dict[str, int]) -> str:
     total = sum(base_rate.values()) or 1
     lines = [f"first wrong tokens: {len(first)}", "", "| by | value | first wrong | share | share of all fills |",
              "|:---|:---|---:|---:|---:|"]
-    by = {"rule": 0, "slot": 1, "prev_filled": 2}
+    by = {"rule": 0, "slot": 1, "prev_filled": 2, "masks_before": 3}
     for key, idx in by.items():
         counts = Counter(str(f[key]) for f in first)
         rates: Counter = Counter()

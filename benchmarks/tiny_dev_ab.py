@@ -37,6 +37,7 @@ POINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "singlebd": ("configs/decode/tiny_singlebd.yaml", {}),
     "singlebd_m2t95": ("configs/decode/tiny_singlebd.yaml", {"tau_m2t": 0.95}),
     "multibd_ge": ("configs/decode/tiny_multibd.yaml", {"tau_add": 0.49, "tau_semi": 0.49, "tau_m2t": 0.9}),
+    "multibd_strict_05": ("configs/decode/tiny_multibd.yaml", {"tau_add": 0.5, "tau_semi": 0.5, "tau_m2t": 0.9}),
     "multibd_paper_b4": ("configs/decode/tiny_multibd.yaml", {"tau_add": 0.10, "tau_semi": 0.25, "tau_m2t": 0.95}),
 }
 

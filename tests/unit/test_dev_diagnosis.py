@@ -26,4 +26,4 @@ def test_seed_count_for_a_one_point_interval_grows_with_the_seed_spread():
 def test_the_former_greater_or_equal_thresholds_are_a_strict_point_at_block_4():
     ge = point("multibd_ge")
     assert (ge.tau_add, ge.tau_semi) == (0.49, 0.49) and ge.block_size == 4
-    assert {k for k in POINTS if k.startswith("multibd")} == {"multibd_ge", "multibd_paper_b4"}
+    assert {k for k in POINTS if k.startswith("multibd")} == {"multibd_ge", "multibd_strict_05", "multibd_paper_b4"}
