@@ -179,7 +179,8 @@ def report(run: Path, arms: list[str], problems: int) -> dict:
                 # the test's problem SE: this SE scaled from the dev problems to the 10,000 test problems
                 se_test = s["se_problems"] * math.sqrt(problems / 10000)
                 row["seeds_for_1pp"] = seeds_for_halfwidth(s["sd_seeds"], se_test)
-                line += (f"; over seeds {s['mean']:+.2f} [{s['ci_low']:+.2f}, {s['ci_high']:+.2f}] (SD {s['sd_seeds']:.2f}"
+                line += (f"; over seeds {s['mean']:+.2f} [{s['ci_low']:+.2f}, {s['ci_high']:+.2f}] "
+                         f"(SD {s['sd_seeds']:.2f}"
                          f"; seeds for a +-1 pp interval on 10,000 problems: {row['seeds_for_1pp']})")
             print(line)
     if len(arms) == 2:

@@ -93,7 +93,8 @@ def measure(cfg: QuickstartConfig, run: Path, seeds: list[int], problems: int, p
     single, mbd = curves[SINGLEBD], [curves[m[0]] for m in methods[1:]]
     per_seed = [{"seed": s, "accuracy": m.accuracy(), "tpf_ratio": m.tpf() / single.tpf(),
                  **paired_difference(single.correct[0], m.correct[0]).model_dump()} for s, m in zip(seeds, mbd)]
-    out = {"benchmark": benchmark, "problems": problems, "singlebd": {"accuracy": single.accuracy(), "tpf": single.tpf()},
+    out = {"benchmark": benchmark, "problems": problems,
+           "singlebd": {"accuracy": single.accuracy(), "tpf": single.tpf()},
            "per_seed": per_seed, "mean_diff_pp": sum(p["diff_pp"] for p in per_seed) / len(seeds),
            "mean_tpf_ratio": sum(p["tpf_ratio"] for p in per_seed) / len(seeds)}
     if len(seeds) > 1:

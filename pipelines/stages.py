@@ -24,8 +24,9 @@ from mbd.eval.sweep import ResultStore
 from mbd.multitf.objectives import ObjectiveSection
 from mbd.multitf.schedulers import SchedulerConfig
 
-__all__ = ["DEFAULT_CONFIG", "BENCHMARK", "DEV_BENCHMARK", "SINGLEBD", "MULTIBD_TF", "MethodSpec", "QuickstartConfig", "ExpandSection",
-           "ClaimSeeds", "load_config", "Stages", "write_corpus", "expand_stage", "train_config", "train_stage",
+__all__ = ["DEFAULT_CONFIG", "BENCHMARK", "DEV_BENCHMARK", "SINGLEBD", "MULTIBD_TF", "MethodSpec", "QuickstartConfig",
+           "ExpandSection", "ClaimSeeds", "load_config", "Stages", "write_corpus", "expand_stage", "train_config",
+           "train_stage",
            "point_name", "sweep_config", "as_methods", "rows_of", "tps_stage", "curves_of", "section_title",
            "overrides_of"]
 
