@@ -24,16 +24,22 @@ from serve_app.convert import bad_request
 from serve_app.metrics import IngressMetrics
 from serve_app.protocol import APIError, ErrorResponse, from_validation_error
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 ERRORS = {400: "invalid request (error.param names the field)", 401: "missing or wrong API key",
           404: "unknown model or route", 413: "request body larger than http.max_body_bytes",
           500: "this request crashed the engine on its trial, or the engine could not decode it (not retried)",
           503: "decoder at capacity or unavailable (Retry-After)"}
 RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"},
-                                            "description": "with stream=true: server-sent `data:` events"}}},
+    200: {"description": "the whole response as JSON; with stream=true server-sent `data:` events, each one JSON "
+                         "object (a chunk, or an ErrorResponse after a failure mid-stream), then `data: [DONE]`",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
     **{code: {"model": ErrorResponse, "description": text} for code, text in ERRORS.items()},
 }
+
+
+def generation_responses(whole: type) -> dict[int | str, dict[str, Any]]:
+    """The documented answers of a generation endpoint whose whole (non-streaming) response is `whole`."""
+    return RESPONSES | {200: RESPONSES[200] | {"model": whole}}
 
 
 def overloaded(retry_after_s: float) -> APIError:

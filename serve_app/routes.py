@@ -14,8 +14,9 @@ from ray import serve
 
 from mbd.checkpoint_files import read_model_config
 from serve_app import errors, exposition
-from serve_app.errors import ENDPOINTS, RESPONSES, unavailable
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, ModelList, prompt_type
+from serve_app.errors import ENDPOINTS, RESPONSES, generation_responses, unavailable
+from serve_app.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                CompletionResponse, ModelList, prompt_type)
 from serve_app.schema_rules import Int
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 op.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
+        _stream_events(schema)
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -40,6 +42,29 @@ METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
           "content": {"text/plain": {"schema": {"type": "string"}}}},
     503: RESPONSES[503] | {"description": "no node's metrics export endpoint answered (Retry-After)"},
 }
+
+
+STREAM_EVENTS = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionChunk}
+
+
+def _stream_events(schema: dict[str, Any]) -> None:
+    """Document each server-sent event of a generation endpoint's stream, as OpenAPI 3.1 tools read an event
+    stream's `schema` (per event: its `data` line): JSON (`contentMediaType`) that is one of the endpoint's chunks,
+    or the ErrorResponse that reports a failure mid-stream; or the closing `[DONE]`. A chunk model that no route
+    returns is added to the components (in its serialized form, as the events are written)."""
+    comps = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, event in STREAM_EVENTS.items():
+        if event.__name__ not in comps:
+            own = event.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+            comps.update({k: v for k, v in own.pop("$defs", {}).items() if k not in comps})
+            comps[event.__name__] = own
+        payload = {"oneOf": [{"$ref": f"#/components/schemas/{event.__name__}"},
+                             {"$ref": "#/components/schemas/ErrorResponse"}]}
+        content = schema["paths"][path]["post"]["responses"]["200"]["content"]
+        content["text/event-stream"]["schema"] = {
+            "type": "object", "required": ["data"], "properties": {"event": {"type": "string"}, "data": {"anyOf": [
+                {"const": "[DONE]"},
+                {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}]}}}
 
 
 @dataclass(frozen=True)
@@ -60,7 +85,7 @@ class Bounds:
 def deployment_models(b: Bounds) -> tuple[type[CompletionRequest], type[ChatCompletionRequest]]:
     """The request models of one deployment: the shared fields bounded by `b`, so that its OpenAPI schema says
     what it accepts and validation enforces the same bounds. `model` is listed, not checked here: another
-    model's name is a 404 (`RequestConverter.check_model`), as OpenAI answers it."""
+    model's name is a 404 (`RequestConverter.check_fields`), as OpenAI answers it."""
     token_id = Int(ge=0, lt=b.vocab_size, json_schema_extra={"not": {"const": b.mask_id}})
     limit = (Int(ge=1, le=b.max_tokens) | None, Field(default=None, description="at most decode.max_new_tokens; "
                                                                            "the prompt and these must fit the context"))
@@ -116,11 +141,11 @@ def http_app(ing: "OpenAIIngress", api_key: str | None) -> FastAPI:
     async def models() -> ModelList:
         return await ing.models()
 
-    @app.post("/v1/completions", responses=RESPONSES)
+    @app.post("/v1/completions", responses=generation_responses(CompletionResponse))
     async def completions(req: Completion) -> Any:  # type: ignore[valid-type]
         return await ing.completions(req)
 
-    @app.post("/v1/chat/completions", responses=RESPONSES)
+    @app.post("/v1/chat/completions", responses=generation_responses(ChatCompletionResponse))
     async def chat(req: Chat) -> Any:  # type: ignore[valid-type]
         return await ing.chat(req)
 

@@ -18,8 +18,10 @@ got, cached_tokens the first admission's; nfe continues from the checkpoint (the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from mbd.decoding.state import Request
+if TYPE_CHECKING:  # the engine host builds `Resume`s and must not load torch
+    from mbd.decoding.state import Request
 
 
 @dataclass(frozen=True, slots=True)

@@ -270,7 +270,7 @@ def test_openapi_lists_real_status_codes(base):
     spec = httpx.get(f"{base}/openapi.json", timeout=TIMEOUT).json()
     for path in ("/v1/completions", "/v1/chat/completions"):
         op = spec["paths"][path]["post"]
-        assert set(op["responses"]) == {"200", "400", "401", "404", "413", "503"}
+        assert set(op["responses"]) == {"200", "400", "401", "404", "413", "500", "503"}
         assert "text/event-stream" in op["responses"]["200"]["content"]
     assert "HTTPValidationError" not in spec.get("components", {}).get("schemas", {})
 
@@ -349,7 +349,7 @@ def test_replica_death_mid_stream_ends_with_error(base):
                     os.kill(pid, signal.SIGKILL)
     assert events[-1] == "[DONE]"
     parsed = [json.loads(e) for e in events[:-1]]
-    assert parsed[-1] == {"error": {"message": "generation failed; retry the request", "type": "server_error",
+    assert parsed[-1] == {"error": {"message": "decoder unavailable; retry the request", "type": "server_error",
                                     "param": None, "code": None}}
     assert parsed[-2]["choices"][0]["finish_reason"] == "error"
     assert all(p["choices"][0]["finish_reason"] is None for p in parsed[:-2])

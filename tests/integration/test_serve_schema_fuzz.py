@@ -1,8 +1,10 @@
-"""The OpenAPI schema says what the server accepts: schemathesis generates request bodies from the live app's own
-/openapi.json, positive (the schema admits them) and negative (it refuses them), and sends them over real HTTP.
-Both kinds of mismatch are failures: a body the schema admits that the server refuses (unless the refusal names a
-field whose rule the schema lists under x-server-checks: rules across fields, lengths in tokens, grammars), and a
-body the schema refuses that the server serves. No 5xx either way. 405s name the allowed methods (Allow).
+"""The OpenAPI schema says what the server accepts and answers: schemathesis generates request bodies from the live
+app's own /openapi.json, positive (the schema admits them) and negative (it refuses them), and sends them over real
+HTTP. Both kinds of mismatch are failures: a body the schema admits that the server refuses (unless the refusal
+names a field whose rule the schema lists under x-server-checks: rules across fields, lengths in tokens, grammars),
+and a body the schema refuses that the server serves. No 5xx either way. Every answer passes schemathesis's
+response checks (status code, content type, headers and JSON body as documented), and every `data:` event of a
+stream is valid against the schema the document states for it. 405s name the allowed methods.
 
 The deployment is small (max_tokens <= 8, two choices) so that each served case costs a few forwards of the tiny
 model; the number of cases is bounded (EXAMPLES per endpoint and mode)."""
@@ -49,11 +51,33 @@ def mismatch(positive: bool, status: int, error: dict | None, checks: dict[str, 
     return f"a body the schema admits was refused ({status}, param {param!r})"
 
 
-def fuzz(spec: dict, path: str, http: httpx.Client, examples: int = EXAMPLES) -> None:
+def stream_mismatch(spec: dict, path: str, text: str) -> str | None:
+    """Why an SSE body contradicts the events `spec` documents for POST `path` (each `data:` line's JSON against
+    its `contentSchema`, and the closing [DONE]), or None."""
+    import json
+
+    from jsonschema import Draft202012Validator
+
+    stream = spec["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    payload = next(s for s in stream["properties"]["data"]["anyOf"] if "contentSchema" in s)["contentSchema"]
+    check = Draft202012Validator({**payload, "components": spec["components"]})
+    lines = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
+    if lines[-1:] != ["[DONE]"]:
+        return "a stream that does not end with [DONE]"
+    for data in lines[:-1]:
+        if err := next(check.iter_errors(json.loads(data)), None):
+            return f"an event the schema does not admit ({err.message[:200]}): {data[:200]}"
+    return None
+
+
+def fuzz(spec: dict, path: str, http: httpx.Client, examples: int = EXAMPLES, responses: bool = True) -> None:
     """`examples` positive and as many negative bodies for POST `path` from `spec`, each sent with `http` as
-    schemathesis serializes it (a negative body may not be JSON at all); fails listing the mismatches."""
+    schemathesis serializes it (a negative body may not be JSON at all); fails listing the mismatches. With
+    `responses`, each answer is also checked against the document (schemathesis's response checks, and every
+    stream's events)."""
     from hypothesis import HealthCheck, given, settings
     from schemathesis.generation.modes import GenerationMode
+    from schemathesis.specs.openapi.checks import positive_data_acceptance
 
     checks = server_checks(spec, path)
     op = schemathesis.openapi.from_dict(spec)[path]["POST"]
@@ -74,6 +98,13 @@ def fuzz(spec: dict, path: str, http: httpx.Client, examples: int = EXAMPLES) ->
             seen[positive] += 1
             served[positive] += r.status_code == 200
             why = mismatch(positive, r.status_code, r.json().get("error") if json else None, checks)
+            if not why and responses:
+                try:  # every check but acceptance, which `mismatch` judges with the x-server-checks exceptions
+                    case.validate_response(r, excluded_checks=[positive_data_acceptance])
+                except Exception as e:  # noqa: BLE001 - schemathesis's failure (group): reported with the case
+                    why = f"response checks: {str(e)[:300]}"
+            if not why and responses and r.headers.get("content-type", "").startswith("text/event-stream"):
+                why = stream_mismatch(spec, path, r.text)
             if why:
                 found.append(f"{why}: {case.body!r:.300} -> {r.text[:300]}")
 
