@@ -7,7 +7,7 @@ names, even one of a head that died uncleanly, so the local case asks for `addre
 command started is shut down on exit, SIGTERM included, and then every process that cluster started and that
 still runs is ended by pid (Ray's DashboardAgent and RuntimeEnvAgent were seen to outlive their raylet).
 
-`ray_session` (quickstart, reproduce, train, eval) adds a quiet console: only the command's own stage lines, notes
+`ray_session` (quickstart, reproduce, train, eval, serve) adds a quiet console: only the command's own stage lines, notes
 and progress bars. Ray's driver-side output goes to `<log_dir>/ray.log`, whose path is printed: the loggers of Ray
 core, Data, Train and Serve (standard logging: each Ray library attaches its own console handler to its logger when
 imported, Ray Serve's does not propagate, and `ray.init` configures them again, so they are routed once before and
@@ -193,9 +193,10 @@ class _Routing:
 
 
 @contextmanager
-def ray_session(log_dir: Path, num_cpus: int | None = None, address: str | None = None) -> Iterator[bool]:
-    """`ray_cluster` (no dashboard, `log_to_driver=False`) with Ray's driver-side output in `<log_dir>/ray.log`;
-    yields whether it started the cluster."""
+def ray_session(log_dir: Path, num_cpus: int | None = None, address: str | None = None,
+                **init_kwargs: Any) -> Iterator[bool]:
+    """`ray_cluster` (no dashboard, `log_to_driver=False`, `init_kwargs` for `ray.init`) with Ray's driver-side
+    output in `<log_dir>/ray.log`; yields whether it started the cluster."""
     for lib in LIBRARIES:
         importlib.import_module(lib)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -207,7 +208,7 @@ def ray_session(log_dir: Path, num_cpus: int | None = None, address: str | None 
     print(f"    Ray's log: {log_dir / RAY_LOG} (workers: Ray's session directory, /tmp/ray/session_latest/logs "
           f"on a local cluster)", flush=True)
     try:
-        with ray_cluster(address, num_cpus, log_to_driver=False) as started:
+        with ray_cluster(address, num_cpus, log_to_driver=False, **init_kwargs) as started:
             routing.apply()
             yield started
     finally:

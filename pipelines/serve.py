@@ -1,7 +1,9 @@
 """`mbd serve --config configs/serve/tiny.yaml`: deploy the OpenAI-compatible app and serve until Ctrl-C.
 
 Starts a local Ray instance (or joins `--address` / RAY_ADDRESS), binds HTTP to the config's host (loopback
-by default) and tears everything down on Ctrl-C or SIGTERM. On Kubernetes the same app is deployed by the
+by default) and tears everything down on Ctrl-C or SIGTERM. The console keeps this command's own lines (the
+engine, the URLs, warnings that need the user's action); Ray's and HAProxy's start-up logging goes to
+`<--log-dir>/ray.log` (pipelines/ray_session.py). On Kubernetes the same app is deployed by the
 RayService in deploy/rayservice.yaml instead.
 
 Metrics where operators look: a local cluster exports Ray's metrics on `metrics.port` (8080, as KubeRay's nodes;
@@ -19,6 +21,7 @@ import socket
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from mbd.config import ConfigError
@@ -43,6 +46,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cache", help="override engine.compile_cache (a folder `mbd warmup` filled)")
     p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else start a local one)")
     p.add_argument("--name", default="mbd", help="Serve application name")
+    p.add_argument("--log-dir", default="runs/serve",
+                   help="where Ray's driver-side logging goes (ray.log); the console keeps this command's lines")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set engine.attention=flex")
     return p.parse_args(argv)
@@ -115,14 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from pipelines.metrics_sd import ServiceDiscovery
-    from pipelines.ray_session import ray_cluster
+    from pipelines.ray_session import ray_session
     from serve_app.app import build_app
     from serve_app.exposition import export_addresses
 
     signal.signal(signal.SIGTERM, _stop)
     # a new local cluster unless one is named (never a leftover); on exit every process it started has ended
-    with ray_cluster(args.address, **({"_metrics_export_port": cfg.metrics.port} if local else {})) as started, \
-            _serving():
+    with ray_session(Path(args.log_dir).resolve(), address=args.address,
+                     **({"_metrics_export_port": cfg.metrics.port} if local else {})) as started, _serving():
         serve.start(http_options={"host": http.host, "port": http.port})
         serve.run(build_app({"serve_config": cfg}), name=args.name, route_prefix=http.route_prefix)
         sd = ServiceDiscovery() if started else None  # a joined cluster's dashboard writes its own

@@ -25,7 +25,7 @@ def test_sigterm_to_mbd_serve_leaves_no_process_behind(ckpt, tmp_path):
     """`mbd serve` on a local cluster of its own, stopped with SIGTERM: every process it started (Ray's agents
     included) has ended when it has."""
     cmd = [sys.executable, "-m", "pipelines.cli", "serve", "--config", str(ROOT / "configs/serve/tiny.yaml"),
-           "--model-path", str(ckpt), "--port", str(free_port())]
+           "--model-path", str(ckpt), "--port", str(free_port()), "--metrics-port", str(free_port())]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
     started: dict[int, psutil.Process] = {}
     try:
