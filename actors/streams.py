@@ -43,8 +43,9 @@ class Stream:
 
     def readmission(self, max_length: int) -> Add | StepOutput:
         """How a new engine process takes the request on: its Add (resumed from the client's tokens once it has
-        some), or, when its output already ended (`max_length`: the engine's) (a stop token or the length limit reached while its last blocks
-        were being stored: no checkpoint after them), the final output the host gives it itself."""
+        some), or, when its output already ended (a stop token, or the length limit with `max_length` the
+        engine's, reached while its last blocks were being stored: no checkpoint after them), the final output
+        the host gives it itself."""
         if not self.emitted:
             return self.add
         if self.checkpoint is not None:

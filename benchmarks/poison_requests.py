@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in [*(f"culprit@{n}" for n in args.nth), "ten"]:
         nth = int(case.split("@")[1]) if "@" in case else 1
         tok_ids = ",".join(map(str, _poison_ids(cfg)))
-        ONE_LOOP["env_vars"] = ONE_LOOP["env_vars"] | {POISON_ENV: tok_ids, STEP_ENV: str(nth), "PYTHONPATH": os.pathsep.join(
-            [SITE, str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+        path = os.pathsep.join([SITE, str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        ONE_LOOP["env_vars"] = ONE_LOOP["env_vars"] | {POISON_ENV: tok_ids, STEP_ENV: str(nth), "PYTHONPATH": path}
         init_ray(num_cpus=args.cpus, logging_level="ERROR", log_to_driver=False)
         port = free_port()
         try:
