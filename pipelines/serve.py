@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from mbd.config import ConfigError
 from mbd.plan_check import check_serve
-from serve_app.config import load_serve_config
+from serve_app.config import ServeConfig, load_serve_config
 
 if TYPE_CHECKING:
     from pipelines.metrics_sd import ServiceDiscovery
@@ -80,32 +80,30 @@ def metrics_port_clash(port: int, http_port: int) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        sets = args.sets + ([f"metrics.port={args.metrics_port}"] if args.metrics_port is not None else [])
-        cfg = load_serve_config(args.config, sets)
-    except ConfigError as e:
-        print(f"mbd serve: {e}", file=sys.stderr)
-        return 2
+def _config(args: argparse.Namespace) -> ServeConfig:
+    """The serve config with the command's overrides, checked before Ray starts (raises ConfigError naming why)."""
+    sets = args.sets + ([f"metrics.port={args.metrics_port}"] if args.metrics_port is not None else [])
+    cfg = load_serve_config(args.config, sets)
     http = cfg.http.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v})
     http.api_key = http.api_key or os.environ.get("MBD_API_KEY") or None
     model = cfg.model.model_copy(update={"path": args.model_path} if args.model_path else {})
     engine = cfg.engine.model_copy(update={"compile_cache": args.cache} if args.cache else {})
     cfg = cfg.model_copy(update={"http": http, "model": model, "engine": engine})
+    if not (cfg.model.resolved_path() / "config.json").is_file():
+        raise ConfigError(f"model.path {cfg.model.path} is not a model directory (no config.json)")
+    # refuse before loading (and before Ray starts) a deployment whose ranks cannot hold it
+    check_serve(cfg.model.path, cfg.engine, cfg.model.tensor_parallel_size, cfg.decode)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        model_dir = cfg.model.resolved_path()
+        cfg = _config(args)
     except ConfigError as e:
         print(f"mbd serve: {e}", file=sys.stderr)
         return 2
-    if not (model_dir / "config.json").is_file():
-        print(f"mbd serve: model.path {cfg.model.path} is not a model directory (no config.json)", file=sys.stderr)
-        return 2
-    try:  # refuse before loading (and before Ray starts) a deployment whose ranks cannot hold it
-        check_serve(cfg.model.path, cfg.engine, cfg.model.tensor_parallel_size, cfg.decode)
-    except ConfigError as e:
-        print(f"mbd serve: {e}", file=sys.stderr)
-        return 2
+    http = cfg.http
     if http.host not in {"127.0.0.1", "localhost", "::1"} and not http.api_key:
         print(f"mbd serve: warning: listening on {http.host} without an API key (set MBD_API_KEY)", file=sys.stderr)
 
