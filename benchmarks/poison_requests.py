@@ -1,6 +1,6 @@
 """Requests that crash the engine, measured over HTTP on the tiny service (configs/serve/tiny.yaml, the embedded
 model), with the test suite's injection (tests/integration/poison.py: a prompt holding POISON makes the engine
-process raise on the N-th step it is in; the product has no such hook).
+process raise on the request's N-th forward, counted across engines; the product has no such hook).
 
 Case `culprit` (per --nth): 8 innocent completions are first run one by one (their uninterrupted text), then the 8
 again with 1 poisonous one, all at once, half streaming. Counted: innocents that completed with exactly their
@@ -38,6 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=str(REPO / "configs" / "serve" / "tiny.yaml"))
     p.add_argument("--nth", type=int, nargs="+", default=[1, 6], help="the poison crashes on its N-th step")
     p.add_argument("--clients", type=int, default=8, help="innocent clients of case `ten`")
+    p.add_argument("--no-ten", action="store_true", help="only the `culprit` cases")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--cpus", type=int, default=2)
     return p.parse_args(argv)
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     from serve_app.app import ONE_LOOP, build_app
 
     results = {}
-    for case in [*(f"culprit@{n}" for n in args.nth), "ten"]:
+    for case in [*(f"culprit@{n}" for n in args.nth), *([] if args.no_ten else ["ten"])]:
         nth = int(case.split("@")[1]) if "@" in case else 1
         tok_ids = ",".join(map(str, _poison_ids(cfg)))
         path = os.pathsep.join([SITE, str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])

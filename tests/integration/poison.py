@@ -3,8 +3,9 @@ has no hook for it. A test sets `POISON_ENV` (token ids, comma-separated) and pu
 the process that starts engine processes (actors/launch.py hands its sys.path on as PYTHONPATH): Python
 then imports SITE's sitecustomize at each engine process's start, which wraps `Lockstep` so that a step with a
 prompt holding the poison raises, in the engine process only (the process given `actors.messages.FD_ENV`).
-`STEP_ENV` = N: a poisonous request crashes the engine on the N-th step it is in (in that engine process: a
-request resumed on a new one counts again); `PAIR_ENV` = 1: it crashes only beside another request (alone it runs clean)."""
+`STEP_ENV` = N: a poisonous request crashes the engine on its N-th forward (its NFE, which a request resumed on a new
+engine process carries on: the crash recurs at the same state, as a real one would); `PAIR_ENV` = 1: it crashes
+only beside another request (alone it runs clean)."""
 
 from __future__ import annotations
 
@@ -31,21 +32,22 @@ def install() -> None:
     poison = [int(t) for t in os.environ[POISON_ENV].split(",") if t]
     nth, pair = int(os.environ.get(STEP_ENV, "1")), os.environ.get(PAIR_ENV) == "1"
     apply, step = Lockstep.apply, Lockstep.step
-    poisoned: dict[str, int] = {}  # poisonous request -> steps it was in
+    poisoned: set[str] = set()
 
     def apply_noting_poison(self: Lockstep, ops: list) -> list:
         refused = apply(self, ops)
         no = {r.request_id for r in refused}
-        poisoned.update((op.request_id, 0) for op in ops if isinstance(op, Add) and op.request_id not in no
+        poisoned.update(op.request_id for op in ops if isinstance(op, Add) and op.request_id not in no
                         and holds(op.prompt_ids, poison))
         return refused
 
     def step_unless_poisoned(self: Lockstep) -> list:
         step_ids = self.in_step()
-        here = [rid for rid in step_ids if rid in poisoned]
-        for rid in here:
-            poisoned[rid] += 1
-        if any(poisoned[rid] >= nth for rid in here) and (not pair or len(step_ids) >= 2):
+        sched = self.engine.scheduler
+        nfe = {r.id: r.nfe for r in [*sched.running.values(), *sched.waiting]}
+        # the step about to run is a request's (nfe + 1)-th forward, counted across engines (a resumed request
+        # goes on from its checkpoint's NFE): the crash comes back at the same state when the request is replayed
+        if any(rid in poisoned and nfe.get(rid, 0) + 1 >= nth for rid in step_ids) and (not pair or len(step_ids) >= 2):
             raise RuntimeError(f"{POISON_ENV}: a poisonous request is in the step")
         return step(self)
 

@@ -4,8 +4,8 @@
   request fails (streams resume on the new engine process, from the tokens their clients have), none gets a 503;
   the same replica restarts its engine once; /health says "restarting" meanwhile and answers 200 throughout; no
   engine process outlives its replica.
-- A culprit among innocents: 1 poisonous request (tests/integration/poison.py: it crashes the engine on the 6th
-  step it is in, after the innocents streamed tokens) and 8 innocent ones sent together, half streaming: every
+- A culprit among innocents: 1 poisonous request (tests/integration/poison.py: it crashes the engine on its 6th
+  forward, after the innocents streamed tokens) and 8 innocent ones sent together, half streaming: every
   innocent's text equals its uninterrupted run, the poison gets a 500 naming its trial, /health answers 200
   throughout, and the metrics count the restarts and the one quarantined request.
 The crash-loop case (restarts that fail until the replica gives up) is
@@ -33,7 +33,7 @@ from tests.integration.test_serve_units import DECODE
 CLIENTS = 8
 MAX_TOKENS = 24
 POISON = "7777"
-POISON_STEP = 6  # the poison crashes the engine on the 6th step it is in: late, after the innocents streamed
+POISON_STEP = 6  # the poison crashes the engine on its 6th forward: late, after the innocents streamed
 INNOCENT = [f"{a}+{b}=" for a, b in ((1, 2), (12, 7), (3, 4), (25, 9), (6, 6), (41, 3), (8, 13), (70, 5))]
 RECOVERY_BOUND_S = 120  # generous: the engine process restarts in seconds on a quiet machine
 

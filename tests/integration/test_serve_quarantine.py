@@ -1,6 +1,6 @@
 """Conviction by evidence, with the engine host driven in-process against real engine processes: a poisonous
 request (its prompt holds `POISON`: tests/integration/poison.py makes the engine process raise when a step runs
-it, on the N-th step it is in) is found by trials and convicted only when it crashes the engine alone; every
+it, on its N-th forward) is found by trials and convicted only when it crashes the engine alone; every
 innocent of its steps completes with exactly the tokens the engine gives it alone (streams resumed across the
 restarts, not failed); trial crashes never make the replica give up; a replica that gives up answers a
 retryable EngineDead, never a quarantine."""
