@@ -191,7 +191,8 @@ class DecodeConfig(StrictModel):
     max_length: int = Field(default=4096, gt=0, description="prompt + generation tokens")
     max_new_tokens: int = Field(default=4096, gt=0)
     max_nfe: int = Field(default=1024, gt=0, description="forward passes per request")
-    tau_add: float | None = Field(default=None, ge=0, description="activate next block at progress >= tau_add")
+    tau_add: float | None = Field(default=None, ge=0,
+                                  description="activate next block at progress > tau_add (a complete block passes 1.0)")
     tau_semi: float = Field(default=0.9, ge=0, le=1)
     tau_stable: float | None = Field(default=None, ge=0, le=1)
     tau_m2t: float = Field(default=0.95, ge=0, le=1)
