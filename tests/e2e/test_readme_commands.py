@@ -36,10 +36,10 @@ EVAL = "mbd eval --sweep configs/eval/tiny_sweep.yaml"
 
 CURL = "curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"model\": \"mbd-tiny\", " \
        "\"prompt\": \"3*4+2*7-5=\", \"max_tokens\": 32}'"
-REAL = {"mbd serve --config configs/serve/llada2-mini-tp2.yaml --model inclusionAI/LLaDA2.0-mini",
-        "mbd serve --config configs/serve/sdar-8b-tp2.yaml --model JetLM/SDAR-8B-Chat",
+REAL = ("mbd serve --config configs/serve/llada2-mini-tp2.yaml --model inclusionAI/LLaDA2.0-mini",  # a tuple: one
+        "mbd serve --config configs/serve/sdar-8b-tp2.yaml --model JetLM/SDAR-8B-Chat",  # order in every xdist worker
         "mbd train --config configs/train/mbd-sdar-8b-chat-b4-math.yaml",
-        "mbd eval --sweep configs/eval/paper_main.yaml"}
+        "mbd eval --sweep configs/eval/paper_main.yaml")
 
 # README command -> where it runs
 RUN_BY = {
