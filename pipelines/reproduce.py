@@ -20,7 +20,7 @@ on eval.claim_problems (10,000) held-out problems, the AUP claims on the curves'
       MultiBD curve sweeps tau_m2t down to 0.5, tau_add and buffer_size                       (tab:ablation)
   (f) active blocks per forward: mean about 2 (bootstrap CI over requests inside [1.5, 2.5]), 3 or more
       occasionally (0 < share <= 50%)                                     (fig:train_infer_noise_activity D-E)
-Pre-registered seeds: `claim_seeds` (default 5 each for (a), (c), (d), (e); `--seeds N` sets all four) fixes
+Pre-registered seeds: `claim_seeds` (the config's: 6 for (a) and (c), 5 for (d) and (e); `--seeds N` sets all four) fixes
 before anything trains how many training seeds each claim is judged over (pipelines/preregistration.py). The run
 lives in a folder named by that registration, so another count is another run with its own verdicts, and a claim
 is judged over exactly its registered seeds (the first N of each variant it compares), never more, or NOT RUN
@@ -58,7 +58,7 @@ from mbd.eval.claims import Claim, Curve, claims_table, judge_active, judge_aup,
 from mbd.eval.report import MethodRow, SweepSummary, method_table
 from mbd.eval.sweep import ResultStore
 from mbd.multitf.layouts import num_layouts
-from pipelines.preregistration import REGISTRATION, Registration, register, registration_dir
+from pipelines.preregistration import REGISTRATION, Registration, code_commit, register, registration_dir
 from pipelines.ray_session import ray_session
 from pipelines.stages import (BENCHMARK, DEFAULT_CONFIG, MULTIBD_TF, SINGLEBD, ExpandSection, MethodSpec,
                               QuickstartConfig, Stages, curves_of, expand_stage, load_config, overrides_of, point_name,
@@ -238,7 +238,8 @@ def registration_line(cfg: QuickstartConfig, reg: Registration) -> str:
     counts = ", ".join(f"({k}) {v}" for k, v in cfg.claim_seeds.model_dump().items())
     return (f"Pre-registered at {reg.registered_at}, before any training (`{REGISTRATION}`): training seeds per claim "
             f"{counts}. Each claim is judged over exactly these seeds; another count is another run in another folder, "
-            f"so no verdict here changes by adding seeds.")
+            f"so no verdict here changes by adding seeds. Code at registration: {reg.commit or 'not a git checkout'}; "
+            f"report written by {code_commit() or 'not a git checkout'}.")
 
 
 def write_report(path: Path, cfg: QuickstartConfig, reg: Registration, runs: Sequence[Run], rows: dict[str, MethodRow],
@@ -353,7 +354,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--run-dir", default="runs/reproduce")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--seeds", type=int, help="pre-register N training seeds (seed .. seed+N-1) for each of (a), "
-                                              "(c), (d), (e) (sets claim_seeds.*; default: the config's, 5)")
+                                              "(c), (d), (e) (sets claim_seeds.*; default: the config's)")
     ap.add_argument("--steps", type=int, help="override train.steps of every variant")
     ap.add_argument("--problems", type=int, help="override eval.problems (the curves, claims (d)-(f))")
     ap.add_argument("--claim-problems", type=int, help="override eval.claim_problems (claims (a)-(c))")

@@ -3,7 +3,7 @@ and a claim is judged over exactly its registered seeds, so adding seeds to a fi
 
 import pytest
 
-from mbd.config import ConfigError
+from mbd.config import ConfigError, resolve_path
 from mbd.eval.benchmarks import get_benchmark
 from mbd.eval.sweep import ItemRecord, ResultStore
 from pipelines.preregistration import REGISTRATION, register, registration_dir
@@ -84,6 +84,11 @@ def test_the_folder_is_keyed_by_every_setting_that_decides_a_result(tmp_path):
     assert registration_dir(_cfg(5, "claim_seeds.d=3"), tmp_path).name.startswith("a5-c5-d3-e5-")
     assert registration_dir(_cfg(5, "train.steps=100"), tmp_path) != base
     assert registration_dir(_cfg(5, "eval.problems=500"), tmp_path) != base
+    # the decode settings the file holds, not only its path
+    strict = tmp_path / "multibd.yaml"
+    strict.write_text(resolve_path(_cfg(5).eval.multibd).read_text().replace("tau_add: 0.5", "tau_add: 0.25"))
+    assert "tau_add: 0.25" in strict.read_text()
+    assert registration_dir(_cfg(5, f"eval.multibd={strict}"), tmp_path) != base
     # where it writes and how many CPUs it gets decide no result
     assert registration_dir(_cfg(5, "run_dir=elsewhere", "num_cpus=8"), tmp_path) == base
 
@@ -92,6 +97,7 @@ def test_registration_is_written_once_and_checked_on_resume(tmp_path):
     cfg = _cfg(3)
     folder, reg = register(cfg, tmp_path)
     assert (folder / REGISTRATION).is_file() and reg.claim_seeds.a == 3
+    assert reg.commit is None or len(reg.commit.removesuffix("+dirty")) == 40  # recorded, outside the key
     again = register(cfg, tmp_path)[1]
     assert again.registered_at == reg.registered_at
     edited = reg.model_copy(update={"config": {**reg.config, "seed": 7}})
