@@ -3,14 +3,15 @@
 The tiny service (configs/serve/tiny.yaml, the embedded model) on a local Ray cluster: --clients closed-loop
 streaming chat clients send --requests requests each (held-out tinymath problems); --kill-at seconds after the load
 starts the benchmark SIGKILLs the decoder replica's engine process (--kill engine), the replica process itself
-(--kill replica) or nothing (--kill none). Each request is counted once: ok; failed in-band (finish_reason "error",
+(--kill replica) or nothing (--kill none); several --kill-at times kill once at each (the engine of that moment). Each request is counted once: ok; failed in-band (finish_reason "error",
 an error event, [DONE]); 503 (with or without Retry-After; a client does not retry it here); or unclean (anything
 else). Printed: the counts, the requests in flight at the kill, the span of the 503s, the seconds from the kill to
 the first content after it of a request that was in flight without output (`kept_answering_s`), to the first
-content of a request sent after it, and to /health "ok" again, the replica's own counts (requests re-admitted,
+content of a request sent after it, and to /health "ok" again (each per kill), the replica's own counts (requests re-admitted,
 those resumed from their clients' tokens, restarts, quarantined), and a JSON line.
 
     python -m benchmarks.engine_restart                      # 64 clients x 24 requests, engine killed at 5 s
+    python -m benchmarks.engine_restart --kill-at 5 20       # killed twice (issue 59's target: 0 x 500)
     python -m benchmarks.engine_restart --kill replica       # the whole replica instead (Serve replaces it)
 """
 
@@ -42,7 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=24, help="requests per client")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--kill", choices=("engine", "replica", "none"), default="engine")
-    p.add_argument("--kill-at", type=float, default=5.0, help="seconds after the load starts")
+    p.add_argument("--kill-at", type=float, nargs="+", default=[5.0], help="seconds after the load starts, one "
+                   "kill at each")
     p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
     return p.parse_args(argv)
 
@@ -84,13 +86,13 @@ def victim(kind: str) -> int:
     return next(p.pid for p in psutil.Process(replica).children() if "actors.engine_process" in " ".join(p.cmdline()))
 
 
-async def load(args: argparse.Namespace, base: str, model: str) -> tuple[list[dict], list[tuple], float | None]:
-    """Run the clients; kill at --kill-at; poll /health every 0.1 s. Returns the requests, the probes and the kill
-    time (None: nothing killed)."""
+async def load(args: argparse.Namespace, base: str, model: str) -> tuple[list[dict], list[tuple], list[float]]:
+    """Run the clients; kill at each --kill-at; poll /health every 0.1 s. Returns the requests, the probes and the
+    kill times."""
     questions = [r["question"] for r in tiny_problems("heldout", args.clients * args.requests, seed=0)]
     records: list[dict] = []
     health: list[tuple] = []
-    killed: float | None = None
+    killed: list[float] = []
     stop = asyncio.Event()
 
     async def client(k: int, http: httpx.AsyncClient) -> None:
@@ -109,11 +111,12 @@ async def load(args: argparse.Namespace, base: str, model: str) -> tuple[list[di
             await asyncio.sleep(0.1)
 
     async def kill() -> None:
-        nonlocal killed
-        await asyncio.sleep(args.kill_at)
-        pid = await asyncio.to_thread(victim, args.kill)
-        killed = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        for at in sorted(args.kill_at):
+            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+            pid = await asyncio.to_thread(victim, args.kill)
+            killed.append(time.monotonic())
+            os.kill(pid, signal.SIGKILL)
 
     limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=args.clients + 4)
     async with httpx.AsyncClient(timeout=300, limits=limits) as http:
@@ -127,24 +130,30 @@ async def load(args: argparse.Namespace, base: str, model: str) -> tuple[list[di
     return records, health, killed
 
 
-def summarize(records: list[dict], health: list[tuple], killed: float | None) -> dict:
-    """The counts and times the docstring lists."""
+def summarize(records: list[dict], health: list[tuple], kills: list[float]) -> dict:
+    """The counts, and the times the docstring lists per kill (each measured up to the next kill)."""
     count = {o: sum(r["outcome"] == o for r in records) for o in sorted({r["outcome"] for r in records})}
     out: dict = {"requests": len(records), "outcomes": count}
     t503 = sorted(r["end"] for r in records if r["outcome"].startswith("503"))
     out["span_503_s"] = round(t503[-1] - t503[0], 2) if t503 else 0.0
     out["503_without_retry_after"] = count.get("503 without Retry-After", 0)
-    if killed is not None:
-        out["in_flight_at_kill"] = sum(r["start"] <= killed < r["end"] for r in records)
-        kept = [r["first"] for r in records if r["start"] <= killed < r["end"] and r["outcome"] == "ok"
-                and r["first"] is not None and r["first"] > killed]  # no output from the killed engine
-        out["kept_answering_s"] = round(min(kept) - killed, 2) if kept else None
-        after = [r["first"] for r in records if r["start"] > killed and r["first"] is not None]
-        out["answering_new_s"] = round(min(after) - killed, 2) if after else None
-        down = [t for t, code, status in health if t > killed and (code != 200 or status != "ok")]
-        ok_again = [t for t, code, status in health if down and t > down[-1] and code == 200 and status == "ok"]
-        out["health_ok_again_s"] = round(ok_again[0] - killed, 2) if ok_again else 0.0
-        out["health_states_after_kill"] = sorted({str(s) for t, _, s in health if t > killed})
+    out["kills"] = [_after_kill(records, health, killed, until)
+                    for killed, until in zip(kills, [*kills[1:], float("inf")])]
+    return out
+
+
+def _after_kill(records: list[dict], health: list[tuple], killed: float, until: float) -> dict:
+    out = {"in_flight": sum(r["start"] <= killed < r["end"] for r in records)}
+    kept = [r["first"] for r in records if r["start"] <= killed < r["end"] and r["outcome"] == "ok"
+            and r["first"] is not None and r["first"] > killed]  # no output from the killed engine
+    out["kept_answering_s"] = round(min(kept) - killed, 2) if kept else None
+    after = [r["first"] for r in records if killed < r["start"] < until and r["first"] is not None]
+    out["answering_new_s"] = round(min(after) - killed, 2) if after else None
+    window = [(t, code, status) for t, code, status in health if killed < t < until]
+    down = [t for t, code, status in window if code != 200 or status != "ok"]
+    ok_again = [t for t, code, status in window if down and t > down[-1] and code == 200 and status == "ok"]
+    out["health_ok_again_s"] = round(ok_again[0] - killed, 2) if ok_again else 0.0
+    out["health_states"] = sorted({str(s) for _, _, s in window})
     return out
 
 
@@ -171,12 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     out = summarize(records, health, killed) | {"kill": args.kill, "wall_s": round(wall, 1), "load": os.getloadavg()[0]}
     out["replica"] = {k: stats.get(k)
                       for k in ("engine_restarts", "readmitted", "resumed", "quarantined")}
+    at = ", ".join(f"{t:.0f}" for t in sorted(args.kill_at))
     print(f"{args.clients} clients x {args.requests} streaming requests (max_tokens {args.max_tokens}), kill "
-          f"{args.kill} at {args.kill_at:.0f} s: {out['outcomes']}; 503 span {out['span_503_s']} s "
-          f"({out['503_without_retry_after']} without Retry-After); in flight at the kill "
-          f"{out.get('in_flight_at_kill')}; a kept request answering after {out.get('kept_answering_s')} s, a new one "
-          f"after {out.get('answering_new_s')} s, /health ok again after {out.get('health_ok_again_s')} s; replica "
-          f"{out['replica']}; wall {out['wall_s']} s, load {out['load']:.1f}")
+          f"{args.kill} at {at} s: {out['outcomes']}; 503 span {out['span_503_s']} s "
+          f"({out['503_without_retry_after']} without Retry-After); replica {out['replica']}; wall {out['wall_s']} s, "
+          f"load {out['load']:.1f}")
+    for k, after in enumerate(out["kills"], 1):
+        print(f"  kill {k}: in flight {after['in_flight']}; a kept request answering after "
+              f"{after['kept_answering_s']} s, a new one after {after['answering_new_s']} s, /health ok again after "
+              f"{after['health_ok_again_s']} s")
     print(json.dumps(out))
     return 0
 
