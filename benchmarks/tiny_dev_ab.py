@@ -39,6 +39,8 @@ POINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "multibd_ge": ("configs/decode/tiny_multibd.yaml", {"tau_add": 0.49, "tau_semi": 0.49, "tau_m2t": 0.9}),
     "multibd_strict_05": ("configs/decode/tiny_multibd.yaml", {"tau_add": 0.5, "tau_semi": 0.5, "tau_m2t": 0.9}),
     "multibd_paper_b4": ("configs/decode/tiny_multibd.yaml", {"tau_add": 0.10, "tau_semi": 0.25, "tau_m2t": 0.95}),
+    # activation at 2 of 4 tokens (a third block can open: claim (f)), the semi fallback still at 3 of 4
+    "multibd_add2_semi3": ("configs/decode/tiny_multibd.yaml", {"tau_add": 0.49, "tau_semi": 0.5, "tau_m2t": 0.9}),
 }
 
 
