@@ -3,6 +3,7 @@ commutative step is right) and the seed count a registration needs for a +-1 pp 
 
 from benchmarks.multibd_diagnosis import first_wrong, valid_solutions
 from benchmarks.tiny_dev_ab import POINTS, point, seeds_for_halfwidth
+from mbd.decoding.policy import passes
 
 FIELDS = {"a": 3, "b": 4, "c": 2, "d": 7, "op_mid": "+", "op_last": "-", "e": 5}  # 3*4+2*7-5 = 21
 
@@ -26,4 +27,8 @@ def test_seed_count_for_a_one_point_interval_grows_with_the_seed_spread():
 def test_the_former_greater_or_equal_thresholds_are_a_strict_point_at_block_4():
     ge = point("multibd_ge")
     assert (ge.tau_add, ge.tau_semi) == (0.49, 0.49) and ge.block_size == 4
-    assert {k for k in POINTS if k.startswith("multibd")} == {"multibd_ge", "multibd_strict_05", "multibd_paper_b4"}
+    # the fewest of B = 4 tokens that activate the next block / make the predecessor semi-complete, per point
+    fewest = {k: tuple(min(n for n in range(5) if passes(n / 4, tau)) for tau in (p.tau_add, p.tau_semi))
+              for k, p in ((k, point(k)) for k in POINTS if k.startswith("multibd"))}
+    assert fewest == {"multibd_ge": (2, 2), "multibd_strict_05": (3, 3), "multibd_paper_b4": (1, 2),
+                      "multibd_add2_semi3": (2, 3)}
