@@ -3,12 +3,13 @@
 The tiny service (configs/serve/tiny.yaml, the embedded model) on a local Ray cluster: --clients closed-loop
 streaming chat clients send --requests requests each (held-out tinymath problems); --kill-at seconds after the load
 starts the benchmark SIGKILLs the decoder replica's engine process (--kill engine), the replica process itself
-(--kill replica) or nothing (--kill none); several --kill-at times kill once at each (the engine of that moment). Each request is counted once: ok; failed in-band (finish_reason "error",
-an error event, [DONE]); 503 (with or without Retry-After; a client does not retry it here); or unclean (anything
-else). Printed: the counts, the requests in flight at the kill, the span of the 503s, the seconds from the kill to
-the first content after it of a request that was in flight without output (`kept_answering_s`), to the first
-content of a request sent after it, and to /health "ok" again (each per kill), the replica's own counts (requests re-admitted,
-those resumed from their clients' tokens, restarts, quarantined), and a JSON line.
+(--kill replica) or nothing (--kill none); several --kill-at times kill once at each (the engine of that moment).
+Each request is counted once: ok; failed in-band (finish_reason "error", an error event, [DONE]); 503 (with or
+without Retry-After; a client does not retry it here); or unclean (anything else). Printed: the counts, the span of
+the 503s, and per kill the requests in flight at it and the seconds from it to the first content after it of a
+request that was in flight without output (`kept_answering_s`), to the first content of a request sent after it,
+and to /health "ok" again; the replica's own counts (requests re-admitted, those resumed from their clients' tokens,
+restarts, quarantined), and a JSON line.
 
     python -m benchmarks.engine_restart                      # 64 clients x 24 requests, engine killed at 5 s
     python -m benchmarks.engine_restart --kill-at 5 20       # killed twice (issue 59's target: 0 x 500)

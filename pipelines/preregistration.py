@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from mbd.config import ConfigError
+from mbd.config import REPO_ROOT, ConfigError
 from pipelines.stages import ClaimSeeds, QuickstartConfig
 
 REGISTRATION = "registration.json"
@@ -43,10 +43,10 @@ def registered_config(cfg: QuickstartConfig) -> dict:
 
 def code_commit() -> str | None:
     """HEAD of the checkout this module runs from, "+dirty" when tracked files differ; None outside git."""
-    root = Path(__file__).resolve().parents[1]
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                              check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
                                capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return None
