@@ -5,11 +5,11 @@ streaming chat clients send --requests requests each (held-out tinymath problems
 starts the benchmark SIGKILLs the decoder replica's engine process (--kill engine), the replica process itself
 (--kill replica) or nothing (--kill none); several --kill-at times kill once at each (the engine of that moment).
 Each request is counted once: ok; failed in-band (finish_reason "error", an error event, [DONE]); 503 (with or
-without Retry-After; a client does not retry it here); or unclean (anything else). Printed: the counts, the span of
-the 503s, and per kill the requests in flight at it and the seconds from it to the first content after it of a
-request that was in flight without output (`kept_answering_s`), to the first content of a request sent after it,
-and to /health "ok" again; the replica's own counts (requests re-admitted, those resumed from their clients' tokens,
-restarts, quarantined), and a JSON line.
+without Retry-After; a client does not retry it here); or unclean (anything else). Printed: the counts, and per
+kill (up to the next) the requests in flight at it, the span of its 503s and the seconds from it to the first
+content after it of a request that was in flight without output (`kept_answering_s`), to the first content of a
+request sent after it and to /health "ok" again (None: not before the next kill or the end); the replica's own
+counts (requests re-admitted, those resumed from their clients' tokens, restarts, quarantined); a JSON line.
 
     python -m benchmarks.engine_restart                      # 64 clients x 24 requests, engine killed at 5 s
     python -m benchmarks.engine_restart --kill-at 5 20       # killed twice (issue 59's target: 0 x 500)
@@ -135,25 +135,31 @@ def summarize(records: list[dict], health: list[tuple], kills: list[float]) -> d
     """The counts, and the times the docstring lists per kill (each measured up to the next kill)."""
     count = {o: sum(r["outcome"] == o for r in records) for o in sorted({r["outcome"] for r in records})}
     out: dict = {"requests": len(records), "outcomes": count}
-    t503 = sorted(r["end"] for r in records if r["outcome"].startswith("503"))
-    out["span_503_s"] = round(t503[-1] - t503[0], 2) if t503 else 0.0
     out["503_without_retry_after"] = count.get("503 without Retry-After", 0)
     out["kills"] = [_after_kill(records, health, killed, until)
                     for killed, until in zip(kills, [*kills[1:], float("inf")])]
     return out
 
 
+def _span_503(records: list[dict], since: float, until: float) -> float:
+    t503 = sorted(r["end"] for r in records if r["outcome"].startswith("503") and since <= r["end"] < until)
+    return round(t503[-1] - t503[0], 2) if t503 else 0.0
+
+
 def _after_kill(records: list[dict], health: list[tuple], killed: float, until: float) -> dict:
-    out = {"in_flight": sum(r["start"] <= killed < r["end"] for r in records)}
+    """One kill, up to the next: in flight at it, the 503s' span, and the seconds to answering again (None: not
+    before the next kill or the end)."""
+    out = {"in_flight": sum(r["start"] <= killed < r["end"] for r in records),
+           "span_503_s": _span_503(records, killed, until)}
     kept = [r["first"] for r in records if r["start"] <= killed < r["end"] and r["outcome"] == "ok"
-            and r["first"] is not None and r["first"] > killed]  # no output from the killed engine
+            and r["first"] is not None and killed < r["first"] < until]  # no output from the killed engine
     out["kept_answering_s"] = round(min(kept) - killed, 2) if kept else None
     after = [r["first"] for r in records if killed < r["start"] < until and r["first"] is not None]
     out["answering_new_s"] = round(min(after) - killed, 2) if after else None
     window = [(t, code, status) for t, code, status in health if killed < t < until]
     down = [t for t, code, status in window if code != 200 or status != "ok"]
     ok_again = [t for t, code, status in window if down and t > down[-1] and code == 200 and status == "ok"]
-    out["health_ok_again_s"] = round(ok_again[0] - killed, 2) if ok_again else 0.0
+    out["health_ok_again_s"] = round(ok_again[0] - killed, 2) if ok_again else None if down else 0.0
     out["health_states"] = sorted({str(s) for _, _, s in window})
     return out
 
@@ -183,13 +189,12 @@ def main(argv: list[str] | None = None) -> int:
                       for k in ("engine_restarts", "readmitted", "resumed", "quarantined")}
     at = ", ".join(f"{t:.0f}" for t in sorted(args.kill_at))
     print(f"{args.clients} clients x {args.requests} streaming requests (max_tokens {args.max_tokens}), kill "
-          f"{args.kill} at {at} s: {out['outcomes']}; 503 span {out['span_503_s']} s "
-          f"({out['503_without_retry_after']} without Retry-After); replica {out['replica']}; wall {out['wall_s']} s, "
+          f"{args.kill} at {at} s: {out['outcomes']} ({out['503_without_retry_after']} 503s without Retry-After); replica {out['replica']}; wall {out['wall_s']} s, "
           f"load {out['load']:.1f}")
     for k, after in enumerate(out["kills"], 1):
         print(f"  kill {k}: in flight {after['in_flight']}; a kept request answering after "
               f"{after['kept_answering_s']} s, a new one after {after['answering_new_s']} s, /health ok again after "
-              f"{after['health_ok_again_s']} s")
+              f"{after['health_ok_again_s']} s, 503 span {after['span_503_s']} s")
     print(json.dumps(out))
     return 0
 
