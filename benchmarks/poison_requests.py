@@ -26,11 +26,9 @@ import httpx
 from actors.tp_worker import free_port
 from pipelines.ray_session import init_ray
 from serve_app.config import load_serve_config
-from tests.integration.poison import POISON_ENV, SITE, STEP_ENV
+from tests.integration.poison import INNOCENT, POISON, POISON_ENV, SITE, STEP_ENV
 
 REPO = Path(__file__).resolve().parents[1]
-POISON = "7777"
-INNOCENT = [f"{a}+{b}=" for a, b in ((1, 2), (12, 7), (3, 4), (25, 9), (6, 6), (41, 3), (8, 13), (70, 5))]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

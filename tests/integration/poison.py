@@ -16,6 +16,8 @@ POISON_ENV = "MBD_TEST_POISON"
 STEP_ENV = "MBD_TEST_POISON_STEP"
 PAIR_ENV = "MBD_TEST_POISON_PAIR"
 SITE = str(Path(__file__).parent / "poison_site")
+POISON = "7777"  # the text whose tokens a test hands over in POISON_ENV
+INNOCENT = [f"{a}+{b}=" for a, b in ((1, 2), (12, 7), (3, 4), (25, 9), (6, 6), (41, 3), (8, 13), (70, 5))]
 
 
 def holds(prompt_ids: list[int], poison: list[int]) -> bool:

@@ -25,16 +25,14 @@ from mbd.checkpoint_files import read_model_config
 from mbd.tokenizer import Tokenizer
 from serve_app.config import ServeConfig
 from tests.integration.conftest import decoder_stats, serve_apps
-from tests.integration.poison import POISON_ENV, SITE, STEP_ENV
+from tests.integration.poison import INNOCENT, POISON, POISON_ENV, SITE, STEP_ENV
 from tests.integration.scrape import export_ports, poll, total
 from tests.integration.stream_outcome import stream_outcome
 from tests.integration.test_serve_units import DECODE
 
 CLIENTS = 8
 MAX_TOKENS = 24
-POISON = "7777"
 POISON_STEP = 6  # the poison crashes the engine on its 6th forward: late, after the innocents streamed
-INNOCENT = [f"{a}+{b}=" for a, b in ((1, 2), (12, 7), (3, 4), (25, 9), (6, 6), (41, 3), (8, 13), (70, 5))]
 RECOVERY_BOUND_S = 120  # generous: the engine process restarts in seconds on a quiet machine
 
 

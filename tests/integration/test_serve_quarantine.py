@@ -16,12 +16,10 @@ from mbd.config import DecodeConfig
 from mbd.decoding import Engine, EngineConfig
 from mbd.decoding.model_spec import ModelSpec
 from mbd.model import load_checkpoint
-from tests.integration.poison import PAIR_ENV, POISON_ENV, SITE, STEP_ENV
+from tests.integration.poison import INNOCENT, PAIR_ENV, POISON, POISON_ENV, SITE, STEP_ENV
 from tests.integration.test_serve_units import DECODE, _collect, _Log, ckpt, tok  # noqa: F401 - fixtures
 
-POISON = "7777"
 SHORT = DECODE.model_copy(update={"max_new_tokens": 16})  # about 10 steps: a crash on the 6th is mid-stream
-INNOCENT = [f"{a}+{b}=" for a, b in ((1, 2), (12, 7), (3, 4), (25, 9), (6, 6), (41, 3), (8, 13), (70, 5))]
 
 
 @pytest.fixture
