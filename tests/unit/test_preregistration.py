@@ -1,9 +1,11 @@
 """`mbd reproduce` pre-registers the training seeds of each claim: the run's folder is named by the registration,
 and a claim is judged over exactly its registered seeds, so adding seeds to a finished run changes no verdict."""
 
+import subprocess
+
 import pytest
 
-from mbd.config import ConfigError, resolve_path
+from mbd.config import REPO_ROOT, ConfigError, resolve_path
 from mbd.eval.benchmarks import get_benchmark
 from mbd.eval.sweep import ItemRecord, ResultStore
 from pipelines.preregistration import REGISTRATION, register, registration_dir
@@ -97,7 +99,9 @@ def test_registration_is_written_once_and_checked_on_resume(tmp_path):
     cfg = _cfg(3)
     folder, reg = register(cfg, tmp_path)
     assert (folder / REGISTRATION).is_file() and reg.claim_seeds.a == 3
-    assert reg.commit is None or len(reg.commit.removesuffix("+dirty")) == 40  # recorded, outside the key
+    # the code's commit, recorded outside the key (CI runs from a git clone)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    assert reg.commit.removesuffix("+dirty") == head and len(head) == 40
     again = register(cfg, tmp_path)[1]
     assert again.registered_at == reg.registered_at
     edited = reg.model_copy(update={"config": {**reg.config, "seed": 7}})
