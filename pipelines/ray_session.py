@@ -67,8 +67,12 @@ def listen_port() -> int:
     raise RuntimeError("no free port found for a cluster's listener after 64 tries")
 
 
-def port_is_free(port: int) -> bool:
+def port_is_free(port: int, reuse_addr: bool = False) -> bool:
+    """Whether `port` can be bound on every interface. `reuse_addr` (SO_REUSEADDR, as Ray's metrics exporter binds):
+    connections of a previous server still in TIME_WAIT do not hold it."""
     with socket.socket() as s:
+        if reuse_addr:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError:

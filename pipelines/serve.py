@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import time
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from mbd.config import ConfigError
 from mbd.plan_check import check_serve
+from pipelines.ray_session import port_is_free
 from serve_app.config import ServeConfig, load_serve_config
 
 if TYPE_CHECKING:
@@ -57,24 +57,12 @@ def _stop(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def _listening(port: int) -> bool:
-    """Whether something listens on `port` (any interface). SO_REUSEADDR, as Ray's exporter binds: connections of
-    a previous server still in TIME_WAIT do not count."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            return True
-    return False
-
-
 def metrics_port_clash(port: int, http_port: int) -> str | None:
     """Why the local cluster cannot export its metrics on `port`, or None. Checked before Ray starts: a taken port
     fails the node's metrics agent later, far from its cause."""
     if port == http_port:
         return f"metrics.port {port} is http.port too: give one of them another port (--metrics-port, --port)"
-    if _listening(port):
+    if not port_is_free(port, reuse_addr=True):
         return (f"metrics.port {port} is in use (another `mbd serve` or Ray node on this machine?): free it or "
                 f"pass --metrics-port PORT")
     return None
