@@ -89,7 +89,9 @@ class EngineHost(EngineLink):
             self._on_exit(item)
             return self._restart(item.why)
         if isinstance(item, TrialOver):
-            if self.state == TRYING:
+            with self._lock:  # stale when a restart started another trial since it was queued
+                due = self.state == TRYING and self.trials.current is None
+            if due:
                 self._next_trial()
             return True
         try:

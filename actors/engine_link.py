@@ -86,8 +86,8 @@ class EngineLink:
                 s = self._streams.get(o.request_id)
                 if s is None or not (o.new_token_ids or o.finished or o.provisional):
                     continue
-                if o.finished:
-                    self._left(o.request_id)
+                if o.finished:  # an engine that only fails requests has not shown it can serve
+                    self._left(o.request_id, served=o.finish_reason != "error")
                 if (item := s.note(o)) is not None:
                     items.append((s, item))
         hand_over(items)

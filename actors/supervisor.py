@@ -141,9 +141,6 @@ class Trials:
                 g.remove(rid)
         self.queue = collections.deque(g for g in self.queue if g)
 
-    def suspected(self, rid: str) -> bool:
-        return any(rid in g for g in self.queue) or bool(self.current and rid in self.current)
-
 
 class ExitLog:
     """The counted exits within the restart window, each with the requests of its step (see the module
