@@ -12,6 +12,7 @@ from multiprocessing.connection import Connection
 from actors.messages import Add, Failed
 from mbd.decoding.outputs import StepOutput
 from mbd.decoding.resume import Checkpoint, Resume
+from mbd.decoding.validate import RequestParams
 
 
 @dataclass(eq=False)
@@ -50,8 +51,9 @@ class Stream:
             return self.add
         if self.checkpoint is not None:
             return dataclasses.replace(self.add, resumed=Resume(list(self.emitted), self.checkpoint))
-        p, o = self.add.params, self.last
-        limit = min(p.max_new_tokens, min(p.max_length, max_length) - len(self.add.prompt_ids))
+        o, prompt_len = self.last, len(self.add.prompt_ids)
+        limit = RequestParams.resolve(self.add.params, prompt_len, max_length).gen_end - prompt_len
+        # a stop token as the very last token the limit allows reads as "length" here (the engine says "eos")
         end = StepOutput(self.add.request_id, [], True, "length" if len(self.emitted) >= limit else "eos", o.nfe,
                          len(self.emitted), [] if o.new_logprobs is not None else None,
                          [] if o.new_top_logprobs is not None else None, o.cached_tokens)

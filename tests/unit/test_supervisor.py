@@ -19,6 +19,7 @@ from actors.supervisor import EngineRestarts, ExitLog, Trials, died_by_itself, e
 from actors.tp_worker import Lockstep
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding import Engine
+from mbd.decoding.outputs import StepOutput
 from mbd.decoding.validate import RequestError
 from mbd.model import build_model
 from serve_app.config import ServeConfig
@@ -186,3 +187,17 @@ def test_a_supervisor_that_fails_gives_up_and_the_health_check_says_so():
             host.check()
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("emitted, reason", [(7, "length"), (4, "eos")])
+def test_a_request_whose_output_ended_before_the_crash_finishes_on_the_host(emitted, reason):
+    """No checkpoint after its last tokens (they ended its output: the length limit, or a stop token before it):
+    re-admitted, it is not sent to the new engine but finished with the reason the engine would give."""
+    decode = DecodeConfig(buffer_size=2, max_length=200, max_new_tokens=7, max_nfe=400, tau_add=0.25)
+    s = Stream(asyncio.new_event_loop(), asyncio.Queue(), Add("r1", [5, 6, 7], decode))
+    s.note(StepOutput("r1", list(range(emitted)), False, None, 3, emitted))
+    end = s.readmission(max_length=200)
+    assert isinstance(end, StepOutput) and end.finished and end.finish_reason == reason
+    assert end.new_token_ids == [] and end.num_generated == emitted and end.nfe == 3
+    assert isinstance(Stream(s.loop, s.queue, s.add).readmission(200), Add)  # nothing emitted: the Add itself
+    s.loop.close()
