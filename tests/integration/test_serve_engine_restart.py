@@ -80,12 +80,13 @@ def _engine(replica_pid: int) -> psutil.Process:
     return engine
 
 
-async def _request(http: httpx.AsyncClient, url: str, n: int) -> dict:
-    """One streaming chat request: its outcome ('ok', '503', 'in-band' or 'unclean: ...') and when its first
-    content arrived (None: never)."""
+async def _request(http: httpx.AsyncClient, url: str, n: int, records: list[dict]) -> None:
+    """One streaming chat request, in `records` from its start: its outcome ('ok', '503', 'in-band' or
+    'unclean: ...'; absent while it runs) and when its first content arrived (None: not yet, or never)."""
     body = {"model": "mbd-test", "messages": [{"role": "user", "content": f"{n}*{n}="}], "max_tokens": MAX_TOKENS,
             "stream": True}
     rec = {"start": time.monotonic(), "first": None}
+    records.append(rec)
     try:
         async with http.stream("POST", url, json=body) as r:
             if r.status_code != 200:
@@ -105,18 +106,18 @@ async def _request(http: httpx.AsyncClient, url: str, n: int) -> dict:
     except httpx.HTTPError as e:
         rec["outcome"] = f"unclean: {type(e).__name__}"
     rec["end"] = time.monotonic()
-    return rec
 
 
 async def _scenario(base: str, replica_pid: int) -> tuple[list, list, float, float]:
-    """Load until 2 x CLIENTS requests succeeded, SIGKILL the engine process, go on until 2 x CLIENTS requests
-    started after the kill succeeded (polled, within RECOVERY_BOUND_S); /health polled every 0.1 s throughout."""
+    """Load until 2 x CLIENTS requests succeeded and a stream in flight has output, SIGKILL the engine process, go
+    on until 2 x CLIENTS requests started after the kill succeeded (polled, within RECOVERY_BOUND_S); /health
+    polled every 0.1 s throughout."""
     records, health, stop = [], [], asyncio.Event()
 
     async def client(k: int, http: httpx.AsyncClient) -> None:
         n = 0
         while not stop.is_set():
-            records.append(await _request(http, f"{base}/v1/chat/completions", k * 1000 + n))
+            await _request(http, f"{base}/v1/chat/completions", k * 1000 + n, records)
             n += 1
 
     async def probe(http: httpx.AsyncClient) -> None:
@@ -127,14 +128,16 @@ async def _scenario(base: str, replica_pid: int) -> tuple[list, list, float, flo
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as http:
         tasks = [asyncio.create_task(client(k, http)) for k in range(CLIENTS)] + [asyncio.create_task(probe(http))]
-        while sum(r["outcome"] == "ok" for r in records) < 2 * CLIENTS:
-            await asyncio.sleep(0.05)
+        # then a moment when a stream in flight has output (what the kill must resume, not restart)
+        while sum(r.get("outcome") == "ok" for r in records) < 2 * CLIENTS or \
+                not any("outcome" not in r and r["first"] is not None for r in records):
+            await asyncio.sleep(0.01)
         killed = time.monotonic()
         os.kill(_engine(replica_pid).pid, signal.SIGKILL)
-        while sum(r["start"] > killed and r["outcome"] == "ok" for r in records) < 2 * CLIENTS:
+        while sum(r["start"] > killed and r.get("outcome") == "ok" for r in records) < 2 * CLIENTS:
             assert time.monotonic() - killed < RECOVERY_BOUND_S, "the service did not answer again in time"
             await asyncio.sleep(0.05)
-        recovered = min(r["first"] or r["end"] for r in records if r["start"] > killed and r["outcome"] == "ok")
+        recovered = min(r["first"] or r["end"] for r in records if r["start"] > killed and r.get("outcome") == "ok")
         stop.set()
         await asyncio.gather(*tasks)
     return records, health, killed, recovered
