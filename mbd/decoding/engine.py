@@ -177,7 +177,7 @@ class Engine:
         bookkeeping (`_advance`); finished requests free their rows and pages."""
         self.scheduler.commit_chunks(batch)
         B = self.block
-        self.stats.positions_run += batch.rows * batch.slots * B
+        self.stats.positions_run += self.runner.step_positions
         self.stats.resident_positions += B * sum(r.n_res for r in batch.requests)
         self.stats.decode_rows += len(batch.requests)
         self.stats.active_blocks += sum(r.n_res - r.n_tc for r in batch.requests)

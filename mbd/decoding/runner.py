@@ -5,8 +5,8 @@ device's slot states and committed lengths match the batch's row layout (derived
 only when they changed), runs the forward, applies the policy's token update and returns one `RowOutput` per
 decoding row from the step's single device-to-host copy (`StepSummary`: fields by name).
 
-Every decode step is ONE forward over input ids [bucket, slots * B] at positions cache.lengths + arange,
-against the paged KV cache: the forward writes every buffer token's K/V at its position (through the row's page
+Every decode step is ONE forward over the Block Buffer tokens of the decoding rows at positions cache.lengths +
+arange, against the paged KV cache: the forward writes its tokens' K/V at their positions (through the row's page
 table; unmapped positions go to a scratch page) and attends block-causally: a real token sees the committed
 prefix and the resident slots up to its own block, DUMMY slots are invisible. A TO_CACHE slot is still
 resident, so its final tokens are re-run and their K/V land in the cache in the same forward that decodes the
@@ -17,13 +17,19 @@ Two attention paths (`EngineConfig.attention`), each eager, and the flex one com
   tensors are rewritten in place when the layout or the page table changes: no gather and no key span, so a
   forward's shape is (batch bucket, slots, logits window) only, and on GPU it runs compiled and captured as a
   CUDA Graph per shape (`mbd.decoding.compiled`: the logits window is then all slots or none, `fit`).
-- sdpa (CPU default, the reference): a dense mask over keys [0, span) gathered from the pages (or viewed in place
-  while every row sits in its home pages), span = the longest row's need rounded by `span_bucket`, eager.
+  Its input is [bucket, slots * B]: every row of the batch bucket runs the fullest row's slots (padded).
+- sdpa (CPU default, the reference): packed (`Packing`, `mbd.model.attention.Packed`): the input is the resident
+  slots of each decoding row end to end, [1, t], t padded to a `token_bucket` (a row runs only the slots it
+  holds, a free row nothing: the positions computed are the positions the rows need, so MultiBD's fewer steps
+  stay fewer positions at any batch), and only those tokens' K/V are written; attention runs per row over keys
+  [0, span) gathered from the pages (or viewed in place while every row sits in its home pages) under a dense
+  mask, span = the longest row's need rounded by `span_bucket`, eager.
 So `forward` reads: eager (the attention object of the path), or the compiled forward's `run(shape)`.
 
-Buckets keep shapes small. Batch: the forward runs the first `bucket` rows, the smallest bucket covering every
+Buckets keep shapes small. Batch: the forward covers the first `bucket` rows, the smallest bucket covering every
 occupied row (the scheduler admits into the lowest free row). Slots: the most resident slots of any row
-(resident slots are a row prefix, so only DUMMY slots are skipped). Logits: only ACTIVE slots' logits are read,
+(resident slots are a row prefix, so only DUMMY slots are skipped; packed, each row its own). Tokens (packed):
+whole blocks up to 8, then eight sizes per octave. Logits: only ACTIVE slots' logits are read,
 so the head (and the policy's vocabulary softmax) runs on a window of `active` slots per row (`window`), and not
 at all for a forward whose rows only store or for a prefill.
 Chunked prefill: eager, prompt chunks of other rows ride in the decode forward (`_fused`): one pass over the
@@ -37,6 +43,7 @@ import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -48,7 +55,7 @@ from mbd.decoding.guided import Guide, RowFix
 from mbd.decoding.policy import Policy
 from mbd.decoding.state import FREE_ROW, BatchBuffers, RowLayout, SlotState
 from mbd.model import KVCache
-from mbd.model.attention import Cached, Paged, Segmented
+from mbd.model.attention import Cached, Packed, Paged, Segmented
 from mbd.model.cache import default_page_size
 from mbd.model.base import LayerCall
 from mbd.model.masks import PagedDecodeMask, block_causal_dense
@@ -92,6 +99,39 @@ def flex_kernel_options(q: int, page: int, device: torch.device) -> dict | None:
     return {"BLOCK_M": min(PagedDecodeMask.q_block(q), 64), "BLOCK_N": min(page & -page, 64)}
 
 
+def token_bucket(n: int, block: int) -> int:
+    """The packed tokens a forward runs for n resident positions (whole blocks): n itself up to 8 blocks, then
+    eight sizes per octave (at most 12.5% padding), so that a run sees O(8 log n) token counts: the shapes a
+    compiled or captured forward would hold."""
+    step = max(block, (1 << (max(n, 1).bit_length() - 1)) // 8)
+    step = -(-step // block) * block
+    return -(-n // step) * step
+
+
+class DecodeInput(NamedTuple):
+    """What one decode forward hands the model: ids, positions and DMax's merge weights [r, n] (r = 1: packed
+    rows; r = b: the flex layout), the attention, the head's positions [r, m] and the rows' logits window
+    [b, active * B] in buffer positions (what the policy reads)."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    conf: torch.Tensor | None
+    attn: Packed | Paged
+    logits_at: torch.Tensor
+    window: torch.Tensor
+
+
+class Packing(NamedTuple):
+    """A packed sdpa forward's layout (`ModelRunner._packing`), derived from the rows' layout and the page table:
+    `source` [t] the buffer place ([b * slots * B], row-major) of each packed token (padding repeats place 0),
+    their positions [1, t], the attention, and `packed_of` [b * slots * B] the packed index of each place."""
+
+    source: torch.Tensor
+    pos: torch.Tensor
+    attn: Packed
+    packed_of: torch.Tensor
+
+
 class ModelRunner:
     """Runs the model for the engine: prefill, and `run(batch)` = upload the batch's row layout when it changed,
     one decode forward, the policy's token update, the Block Buffers' slide past committed slots and the step's
@@ -118,10 +158,13 @@ class ModelRunner:
             dtype, tp = next(model.parameters()).dtype, getattr(model, "tp", SINGLE).world
             cache = keyed_cache(engine.compile_cache, cache_key(model.cfg, dtype, mode, tp, dev))
             self.compiled = CompiledForward(self._paged_forward, mode, cache, dtype, rows, self.q)
-        self._inputs: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # sdpa: (positions, mask)
+        self._inputs: dict[tuple[int, int, int, bool], Packing] = {}  # sdpa, per (b, slots, span, home)
+        self._inputs_version = -1  # the cache's page-table version the packings were derived from
+        self.step_positions = 0  # query positions the last decode forward ran
         self._uploaded = [FREE_ROW] * rows  # what the device's slot states and committed lengths hold
         self._table_version = -1  # the cache's page-table version the paged masks were derived from
-        self.shapes: Counter[tuple[int, int, int]] = Counter()  # (batch, Q, span or 0) of every decode forward
+        # every decode forward's (batch bucket, query positions, span): sdpa packed tokens and key span; flex b x Q, 0
+        self.shapes: Counter[tuple[int, int, int]] = Counter()
         self.guide: Guide | None = None  # structured output (the engine sets it with the first grammar)
         self._refresh()
 
@@ -240,13 +283,15 @@ class ModelRunner:
     # ----------------------------------------------------------------- the forward
     def forward(self, b: int, slots: int, active: int, max_committed: int = 0, chunks: Sequence[PrefillChunk] = (),
                 home: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [b, active * B, V], window [b, active * B]) of the first `slots` Block Buffer slots of rows
-        [0, b): logits only for each row's window of `active` slots starting at its first ACTIVE slot (`window`:
-        positions in the row's buffer; static outputs under graphs). sdpa reads keys [0, span) for the longest
-        row's `max_committed`; home: rows [0, b) map only their home pages (`CacheManager.at_home`), so sdpa reads
-        keys without a gather. `chunks`: prompt chunks of other rows, computed in the same forward when eager,
-        right after it when compiled (their K/V last)."""
+        """(logits [b, active * B, V], window [b, active * B]) of the resident slots among the first `slots` of
+        rows [0, b): logits only for each row's window of `active` slots starting at its first ACTIVE slot
+        (`window`: positions in the row's buffer; static outputs under graphs). sdpa packs the rows' resident
+        slots (`_dense`) and reads keys [0, span) for the longest row's `max_committed`; home: rows [0, b) map
+        only their home pages (`CacheManager.at_home`), so sdpa reads keys without a gather. `chunks`: prompt
+        chunks of other rows, computed in the same forward when eager, right after it when compiled (their K/V
+        last). Sets `step_positions`, the query positions the forward ran."""
         Q = slots * self.block
+        self.step_positions = b * Q
         if self.compiled is not None:
             self.shapes[(b, Q, 0)] += 1
             out = self.compiled.run((b, slots, active))
@@ -259,7 +304,8 @@ class ModelRunner:
         else:
             span = span_bucket(max_committed + Q, self.cache.size)
             attn = self._dense(b, slots, span, home)
-            self.shapes[(b, Q, span)] += 1
+            self.step_positions = attn.pos.shape[1]
+            self.shapes[(b, self.step_positions, span)] += 1
         if chunks:
             return self._fused(b, slots, active, chunks, attn)
         return self._logits(b, slots, active, attn)
@@ -272,15 +318,25 @@ class ModelRunner:
         start = n_tc.clamp(max=slots - active)
         return start[:, None] * self.block + self._arange_q[: active * self.block]
 
-    def _logits(self, b: int, slots: int, active: int, attn: Cached | Paged,
+    def _inputs_of(self, b: int, slots: int, active: int, attn: "Packing | Paged") -> "DecodeInput":
+        """What the model is handed for rows [0, b) x `slots` slots: the flex layout ([b, slots * B], padded: what
+        its BlockMask and the captured graphs are built for) or the packed tokens of a `Packing` ([1, t])."""
+        Q, idx = slots * self.block, self.window(b, slots, active)
+        merge = self.policy.token_merge
+        if isinstance(attn, Paged):
+            return DecodeInput(self.buf.tokens[:b, :Q], self.paged.q_pos[:b, :Q],
+                               self.buf.token_conf[:b, :Q] if merge else None, attn, idx, idx)
+        rows = torch.arange(b, device=idx.device)[:, None] * Q
+        return DecodeInput(self.buf.tokens[:b, :Q].reshape(-1).index_select(0, attn.source)[None], attn.pos,
+                           self.buf.token_conf[:b, :Q].reshape(-1).index_select(0, attn.source)[None] if merge else None,
+                           attn.attn, attn.packed_of[(rows + idx).view(1, -1)], idx)
+
+    def _logits(self, b: int, slots: int, active: int, attn: "Packing | Paged",
                 **call: LayerCall) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward of `attn`; `call`: how the model calls each layer (the compiled forward's; eager: its own)."""
-        idx = self.window(b, slots, active)
-        Q = slots * self.block
-        pos = self.positions(b, slots) if self.paged is None else self.paged.q_pos[:b, :Q]
-        logits = self.model(self.buf.tokens[:b, :Q], pos, attn, logits_at=idx,
-                            token_conf=self.buf.token_conf[:b, :Q] if self.policy.token_merge else None, **call)
-        return logits, idx
+        inp = self._inputs_of(b, slots, active, attn)
+        logits = self.model(inp.ids, inp.pos, inp.attn, logits_at=inp.logits_at, token_conf=inp.conf, **call)
+        return logits.view(b, active * self.block, logits.shape[-1]), inp.window
 
     def _paged(self, b: int, slots: int) -> Paged:
         Q = slots * self.block
@@ -291,27 +347,45 @@ class ModelRunner:
         """The flex forward of the compiled runner (`CompiledForward`), each layer called by `call`."""
         return self._logits(b, slots, active, self._paged(b, slots), call=call)
 
-    def _dense(self, b: int, slots: int, span: int, home: bool) -> Cached:
-        """The sdpa attention of a decode forward; positions and mask are rebuilt only when lengths or resident
-        slots moved (most steps change neither)."""
-        key = (b, slots, span)
+    def _dense(self, b: int, slots: int, span: int, home: bool) -> "Packing":
+        """The sdpa forward's layout: the resident slots among the first `slots` of rows [0, b), packed end to end
+        (a row that holds fewer runs fewer) and padded to `token_bucket`, with a dense per-row mask over keys
+        [0, span). Rebuilt only when committed lengths, resident slots or the page table moved (most steps change
+        none); a step then only gathers its tokens."""
+        if self._inputs_version != self.cache.table_version:
+            self._inputs.clear()
+            self._inputs_version = self.cache.table_version
+        key = (b, slots, span, home)
         if key not in self._inputs:
-            lengths = self.cache.lengths[:b]
-            pos = self.positions(b, slots)
-            visible = lengths + (self.buf.state[:b] != SlotState.DUMMY).sum(1) * self.block
-            self._inputs[key] = pos, block_causal_dense(pos, span, visible, self.block)
-        pos, mask = self._inputs[key]
-        return Cached(self.view(b, span, home), mask, pos)
+            self._inputs[key] = self._packing(b, slots, span, home)
+        return self._inputs[key]
+
+    def _packing(self, b: int, slots: int, span: int, home: bool) -> "Packing":
+        """Where each row's resident positions sit in the packed input (a place a row does not hold maps to
+        packed index 0: only logits windows reach such places, and the policy reads ACTIVE slots only)."""
+        W, B, dev = slots * self.block, self.block, self.cache.lengths.device
+        n_res = [min(lay.n_res, slots) for lay in self._uploaded[:b]]
+        at = torch.tensor([r * W + j for r, n in enumerate(n_res) for j in range(n * B)], dtype=torch.long,
+                          device=dev)
+        source = torch.nn.functional.pad(at, (0, token_bucket(at.numel(), B) - at.numel()))
+        packed_of = torch.zeros(b * W, dtype=torch.long, device=dev)
+        packed_of[at] = torch.arange(at.numel(), device=dev)
+        pos = self.positions(b, slots)
+        mask = block_causal_dense(pos, span, self.cache.lengths[:b] + torch.tensor(n_res, device=dev) * B, B)
+        return Packing(source, pos.reshape(-1).index_select(0, source)[None],
+                       Packed(self.view(b, span, home), mask, pos, at), packed_of)
 
     def _fused(self, b: int, slots: int, active: int, chunks: Sequence[PrefillChunk],
-               decode: Cached | Paged) -> tuple[torch.Tensor, torch.Tensor]:
+               decode: "Packing | Paged") -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step and prompt chunks of other rows in ONE forward (chunked prefill): the linear layers
         (the weights) are read once for all tokens, attention runs per segment. A prefilling row inside the
-        decode bucket is all DUMMY there; its chunk segment comes after the decode segment, so the chunk's
-        K/V overwrite that row's scratch K/V at the same positions. The caller commits the chunks."""
-        Q, dev = slots * self.block, self.cache.lengths.device
-        pos = self.positions(b, slots)
-        parts, ids, all_pos = [(b, Q, decode)], [self.buf.tokens[:b, :Q].reshape(1, -1)], [pos.reshape(1, -1)]
+        decode bucket is all DUMMY there (packed, it runs no token); its chunk segment comes after the decode
+        segment, so under flex the chunk's K/V overwrite that row's scratch K/V at the same positions. The caller
+        commits the chunks."""
+        dev = self.cache.lengths.device
+        inp = self._inputs_of(b, slots, active, decode)
+        r, n = inp.ids.shape
+        parts, ids, all_pos = [(r, n, inp.attn)], [inp.ids.reshape(1, -1)], [inp.pos.reshape(1, -1)]
         for c in chunks:
             end = c.start + len(c.ids)
             cpos = torch.arange(c.start, end, device=dev)[None]
@@ -319,15 +393,13 @@ class ModelRunner:
             parts.append((1, len(c.ids), Cached(self.cache.view(c.row, c.row + 1, end), cmask, cpos)))
             ids.append(torch.tensor(c.ids, device=dev)[None])
             all_pos.append(cpos)
-        idx = self.window(b, slots, active)
-        flat_idx = (torch.arange(b, device=dev)[:, None] * Q + idx).view(1, -1)
+        flat_at = (torch.arange(r, device=dev)[:, None] * n + inp.logits_at).view(1, -1)
         merge = None
-        if self.policy.token_merge:  # prompt chunks enter as their tokens
-            merge = torch.cat([self.buf.token_conf[:b, :Q].reshape(1, -1)] + [torch.ones_like(i, dtype=torch.float)
-                                                                             for i in ids[1:]], 1)
-        logits = self.model(torch.cat(ids, 1), torch.cat(all_pos, 1), Segmented(tuple(parts)),
-                            logits_at=flat_idx, token_conf=merge)
-        return logits.view(b, active * self.block, logits.shape[-1]), idx
+        if inp.conf is not None:  # prompt chunks enter as their tokens
+            merge = torch.cat([inp.conf.reshape(1, -1)] + [torch.ones_like(i, dtype=torch.float) for i in ids[1:]], 1)
+        logits = self.model(torch.cat(ids, 1), torch.cat(all_pos, 1), Segmented(tuple(parts)), logits_at=flat_at,
+                            token_conf=merge)
+        return logits.view(b, active * self.block, logits.shape[-1]), inp.window
 
     def prefill(self, row: int, ids: list[int], start: int = 0) -> None:
         """Run prompt tokens `ids` (block-aligned, placed at `start`, after the committed [0, start) of cache row

@@ -9,6 +9,8 @@ each way the model runs is one class here:
 - `Paged`: the decode step's FlexAttention path: K/V are written into the page pool and attention runs over the
   pool itself, the BlockMask naming each row's pages (`masks.PagedDecodeMask`): no gather and no key span, so a
   step's shapes depend only on (batch rows, slots).
+- `Packed`: the sdpa decode step: the resident slots of every decoding row packed end to end in one input, the
+  K/V of those tokens alone written, attention per row over its own prefix and buffer.
 - `Segmented`: several groups of rows in one flat input (a decode step carrying prompt chunks).
 
 `layer(i)` returns layer i's `attend`. The objects a `Paged` forward hands out hold tensors and ints only (the
@@ -64,6 +66,32 @@ class Cached:
         return attend
 
 
+class Packed:
+    """The tokens of `rows` rows packed end to end in one input [1, n]: the first `t = len(at)` are real (position
+    `at[j]` of the rows' [rows, width] layout, at absolute `pos`), the rest padding. The linear layers run on the
+    packed tokens only; each layer writes the K/V of the t real ones at their cache addresses (padding writes
+    nothing), scatters their queries into the [rows, width] layout, attends per row over keys [0, span) of `cache`
+    (a view of the rows) under the dense `mask` [rows, 1, width, span], and gathers the real outputs back (padding's
+    are zero). Query places the rows do not hold only cost attention, not the layers around it."""
+
+    def __init__(self, cache: KVCache, mask: torch.Tensor, pos: torch.Tensor, at: torch.Tensor):
+        self.cache, self.mask, self.at = cache, mask, at
+        self.rows, self.width = pos.shape
+        self.kv_at = cache.address(pos).index_select(0, at)  # the same for every layer
+
+    def layer(self, i: int) -> Attend:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            t, n = self.at.numel(), q.shape[2]
+            self.cache.write(i, k[:, :, :t], v[:, :, :t], self.kv_at)
+            keys, values = self.cache.read(i)
+            heads, d = q.shape[1], q.shape[3]
+            laid = q.new_zeros(heads, self.rows * self.width, d).index_copy_(1, self.at, q[0, :, :t])
+            o = attend_masked(laid.unflatten(1, (self.rows, self.width)).transpose(0, 1), keys, values, self.mask)
+            real = _merge_heads(o).flatten(0, 1).index_select(0, self.at)
+            return torch.nn.functional.pad(real, (0, 0, 0, n - t)).unsqueeze(0)
+        return attend
+
+
 @dataclass(frozen=True)
 class PagedLayer:
     """One layer's view of a `Paged` forward: its K/V pool as [kv heads, pages x page, d] (flattened outside the
@@ -101,10 +129,10 @@ class Paged:
 @dataclass(frozen=True)
 class Segmented:
     """Several groups of rows in one flat input [1, sum(rows * width)]: each part (`rows` x `width` tokens, a
-    `Cached` or a `Paged`) attends against its own cache. The linear layers run once over all tokens, attention per
-    part."""
+    `Cached`, a `Packed` (one row of its packed tokens) or a `Paged`) attends against its own cache. The linear
+    layers run once over all tokens, attention per part."""
 
-    parts: tuple[tuple[int, int, "Cached | Paged"], ...]  # (rows, width, attention) in input order
+    parts: tuple[tuple[int, int, "Cached | Packed | Paged"], ...]  # (rows, width, attention) in input order
 
     def layer(self, i: int) -> Attend:
         kernels = [(rows, width, part.layer(i)) for rows, width, part in self.parts]
