@@ -124,12 +124,14 @@ class DecodeInput(NamedTuple):
 class Packing(NamedTuple):
     """A packed sdpa forward's layout (`ModelRunner._packing`), derived from the rows' layout and the page table:
     `source` [t] the buffer place ([b * slots * B], row-major) of each packed token (padding repeats place 0),
-    their positions [1, t], the attention, and `packed_of` [b * slots * B] the packed index of each place."""
+    their positions [1, t], the attention, `packed_of` [b * slots * B] the packed index of each place, and the
+    logits windows asked of it so far."""
 
     source: torch.Tensor
     pos: torch.Tensor
     attn: Packed
     packed_of: torch.Tensor
+    windows: dict[int, tuple[torch.Tensor, torch.Tensor]]  # per `active`: (packed logits indices, `window`)
 
 
 class ModelRunner:
@@ -258,8 +260,7 @@ class ModelRunner:
         old = self._uploaded[:b]
         if layout != old:
             self.buf.upload(layout, self.cache.lengths)
-            if any(n.committed != o.committed or n.n_res != o.n_res for n, o in zip(layout, old)):
-                self._inputs.clear()
+            self._inputs.clear()
             self._uploaded[:b] = layout
             self._table_version = -1
         if self.paged is not None and self._table_version != self.cache.table_version:
@@ -321,15 +322,19 @@ class ModelRunner:
     def _inputs_of(self, b: int, slots: int, active: int, attn: "Packing | Paged") -> "DecodeInput":
         """What the model is handed for rows [0, b) x `slots` slots: the flex layout ([b, slots * B], padded: what
         its BlockMask and the captured graphs are built for) or the packed tokens of a `Packing` ([1, t])."""
-        Q, idx = slots * self.block, self.window(b, slots, active)
-        merge = self.policy.token_merge
+        Q, merge = slots * self.block, self.policy.token_merge
         if isinstance(attn, Paged):
+            idx = self.window(b, slots, active)
             return DecodeInput(self.buf.tokens[:b, :Q], self.paged.q_pos[:b, :Q],
                                self.buf.token_conf[:b, :Q] if merge else None, attn, idx, idx)
-        rows = torch.arange(b, device=idx.device)[:, None] * Q
+        if active not in attn.windows:  # the layout (TO_CACHE counts included) is the packing's: kept with it
+            idx = self.window(b, slots, active)
+            rows = torch.arange(b, device=idx.device)[:, None] * Q
+            attn.windows[active] = attn.packed_of[(rows + idx).view(1, -1)], idx
+        at, idx = attn.windows[active]
         return DecodeInput(self.buf.tokens[:b, :Q].reshape(-1).index_select(0, attn.source)[None], attn.pos,
                            self.buf.token_conf[:b, :Q].reshape(-1).index_select(0, attn.source)[None] if merge else None,
-                           attn.attn, attn.packed_of[(rows + idx).view(1, -1)], idx)
+                           attn.attn, at, idx)
 
     def _logits(self, b: int, slots: int, active: int, attn: "Packing | Paged",
                 **call: LayerCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,8 +355,8 @@ class ModelRunner:
     def _dense(self, b: int, slots: int, span: int, home: bool) -> "Packing":
         """The sdpa forward's layout: the resident slots among the first `slots` of rows [0, b), packed end to end
         (a row that holds fewer runs fewer) and padded to `token_bucket`, with a dense per-row mask over keys
-        [0, span). Rebuilt only when committed lengths, resident slots or the page table moved (most steps change
-        none); a step then only gathers its tokens."""
+        [0, span). Rebuilt only when the rows' layout or the page table moved (most steps change neither); a step
+        then only gathers its tokens."""
         if self._inputs_version != self.cache.table_version:
             self._inputs.clear()
             self._inputs_version = self.cache.table_version
@@ -373,7 +378,7 @@ class ModelRunner:
         pos = self.positions(b, slots)
         mask = block_causal_dense(pos, span, self.cache.lengths[:b] + torch.tensor(n_res, device=dev) * B, B)
         return Packing(source, pos.reshape(-1).index_select(0, source)[None],
-                       Packed(self.view(b, span, home), mask, pos, at), packed_of)
+                       Packed(self.view(b, span, home), mask, pos, at), packed_of, {})
 
     def _fused(self, b: int, slots: int, active: int, chunks: Sequence[PrefillChunk],
                decode: "Packing | Paged") -> tuple[torch.Tensor, torch.Tensor]:
