@@ -58,7 +58,7 @@ from mbd.model import KVCache
 from mbd.model.attention import Cached, Packed, Paged, Segmented
 from mbd.model.cache import default_page_size
 from mbd.model.base import LayerCall
-from mbd.model.masks import PagedDecodeMask, block_causal_dense
+from mbd.model.masks import PagedDecodeMask, additive, block_causal_dense
 from mbd.model.tp import SINGLE
 
 log = logging.getLogger("mbd.engine")
@@ -376,7 +376,8 @@ class ModelRunner:
         packed_of = torch.zeros(b * W, dtype=torch.long, device=dev)
         packed_of[at] = torch.arange(at.numel(), device=dev)
         pos = self.positions(b, slots)
-        mask = block_causal_dense(pos, span, self.cache.lengths[:b] + torch.tensor(n_res, device=dev) * B, B)
+        mask = additive(block_causal_dense(pos, span, self.cache.lengths[:b] + torch.tensor(n_res, device=dev) * B, B),
+                        self.cache.k.dtype)
         return Packing(source, pos.reshape(-1).index_select(0, source)[None],
                        Packed(self.view(b, span, home), mask, pos, at), packed_of, {})
 

@@ -71,8 +71,9 @@ class Packed:
     `at[j]` of the rows' [rows, width] layout, at absolute `pos`), the rest padding. The linear layers run on the
     packed tokens only; each layer writes the K/V of the t real ones at their cache addresses (padding writes
     nothing), scatters their queries into the [rows, width] layout, attends per row over keys [0, span) of `cache`
-    (a view of the rows) under the dense `mask` [rows, 1, width, span], and gathers the real outputs back (padding's
-    are zero). Query places the rows do not hold only cost attention, not the layers around it."""
+    (a view of the rows) under the dense `mask` [rows, 1, width, span] (bool or additive), and gathers the real
+    outputs back (padding's are zero). Query places the rows do not hold only cost attention, not the layers
+    around it."""
 
     def __init__(self, cache: KVCache, mask: torch.Tensor, pos: torch.Tensor, at: torch.Tensor):
         self.cache, self.mask, self.at = cache, mask, at

@@ -25,6 +25,13 @@ def block_causal_dense(q_pos: torch.Tensor, kv_len: int, visible: torch.Tensor, 
     return block_causal(q_pos.unsqueeze(-1), kv, visible.view(-1, 1, 1), block_size).unsqueeze(1)
 
 
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the additive one SDPA applies (0 where allowed, -inf elsewhere), in the queries' dtype: SDPA
+    on CPU converts a bool mask on every call, i.e. every layer; a mask reused over a forward's layers (and over
+    steps) is converted once. The softmax sees the same values, so the result is the same."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 class PagedDecodeMask:
     """`block_causal_dense` for Block Buffer queries, as FlexAttention BlockMasks over the whole KV page pool.
 
