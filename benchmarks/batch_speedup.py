@@ -71,7 +71,9 @@ def one_run(engine: Engine, clock: ForwardClock, prompts: list[list[int]]) -> di
             "fwd_tps": tokens / fwd}
 
 
-def engines_for(batch: int, paths: dict[str, Path], loaded: dict[Path, tuple]) -> dict[str, tuple[Engine, ForwardClock]]:
+def engines_for(batch: int, paths: dict[str, Path],
+                loaded: dict[Path, tuple]) -> dict[str, tuple[Engine, ForwardClock]]:
+    """One engine per decode point over its weights, decoding `batch` rows at a time, its forwards clocked."""
     out = {}
     for name, cfg_path in CONFIGS.items():
         decode, engine_cfg = load_decode(cfg_path)
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {len(prompts)} held-out tinymath problems, SingleBD {paths['SingleBD']}, MultiBD {paths['MultiBD']}, "
           f"{args.rounds} alternated rounds, one torch thread", flush=True)
     head = ("| batch | point | tokens/s (CPU) | tokens/s (wall) | TPF | positions run / needed | positions run per "
-            "token | host / forward | TPS MBD / SingleBD (CPU, wall) | forwards only | positions per token MBD / SingleBD |")
+            "token | host / forward | TPS MBD / SingleBD (CPU, wall) | forwards only "
+            "| positions per token MBD / SingleBD |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for batch in args.batches:
         t = time.perf_counter()

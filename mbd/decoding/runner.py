@@ -332,8 +332,11 @@ class ModelRunner:
             rows = torch.arange(b, device=idx.device)[:, None] * Q
             attn.windows[active] = attn.packed_of[(rows + idx).view(1, -1)], idx
         at, idx = attn.windows[active]
-        return DecodeInput(self.buf.tokens[:b, :Q].reshape(-1).index_select(0, attn.source)[None], attn.pos,
-                           self.buf.token_conf[:b, :Q].reshape(-1).index_select(0, attn.source)[None] if merge else None,
+
+        def packed(t: torch.Tensor) -> torch.Tensor:
+            return t[:b, :Q].reshape(-1).index_select(0, attn.source)[None]
+
+        return DecodeInput(packed(self.buf.tokens), attn.pos, packed(self.buf.token_conf) if merge else None,
                            attn.attn, at, idx)
 
     def _logits(self, b: int, slots: int, active: int, attn: "Packing | Paged",
