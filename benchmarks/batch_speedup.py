@@ -8,7 +8,7 @@ Per batch size, one engine per point (`max_batch_rows` = batch, power-of-two buc
 row), the first `--problems` held-out problems (zero-shot chat prompts, as the sweeps send them), `--rounds` runs
 alternated ABAB after an untimed warm-up run each, one torch thread. Reported per point, medians over rounds:
 tokens/s (generated tokens over the thread-CPU time of the whole `generate`: the host's other load stays out;
-wall-clock in a second column), TPF, query positions run / positions the rows needed (their resident slots),
+wall-clock in a second column; the MBD / SingleBD ratio also as the range of its per-round values), TPF, query positions run / positions the rows needed (their resident slots),
 positions run per generated token, and the host share of a step: the time of decode steps (`EngineStats.step_s`:
 schedule, forward, policy, bookkeeping, uploads, the device-to-host copy) outside the model forward
 (`ModelRunner.forward`) over the forward's own, wall-clock. "Forwards only" is the tokens/s ratio counting the
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {len(prompts)} held-out tinymath problems, SingleBD {paths['SingleBD']}, MultiBD {paths['MultiBD']}, "
           f"{args.rounds} alternated rounds, one torch thread", flush=True)
     head = ("| batch | point | tokens/s (CPU) | tokens/s (wall) | TPF | positions run / needed | positions run per "
-            "token | host / forward | TPS MBD / SingleBD (CPU, wall) | forwards only "
+            "token | host / forward | TPS MBD / SingleBD (CPU (range of rounds), wall) | forwards only "
             "| positions per token MBD / SingleBD |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for batch in args.batches:
@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> None:
                 runs[name].append(one_run(*engines[name], prompts))
         med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
         s, m = med["SingleBD"], med["MultiBD"]
-        ratio = (f"{m['tps'] / s['tps']:.2f}x, {m['tps_wall'] / s['tps_wall']:.2f}x",
+        paired = [a["tps"] / b["tps"] for a, b in zip(runs["MultiBD"], runs["SingleBD"])]  # rounds side by side
+        ratio = (f"{m['tps'] / s['tps']:.2f}x ({min(paired):.2f}-{max(paired):.2f}), "
+                 f"{m['tps_wall'] / s['tps_wall']:.2f}x",
                  f"{m['fwd_tps'] / s['fwd_tps']:.2f}x", f"{m['per_token'] / s['per_token']:.2f}")
         for name, r in med.items():
             lines.append(f"| {batch} | {name} | {r['tps']:.1f} | {r['tps_wall']:.1f} | {r['tpf']:.2f} | "
