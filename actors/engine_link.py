@@ -82,9 +82,13 @@ class EngineLink:
     def _publish(self, outs: Sequence[StepOutput]) -> None:
         items = []
         with self._lock:
+            self.counts.generated += sum(len(o.new_token_ids) for o in outs)
             for o in outs:
                 s = self._streams.get(o.request_id)
-                if s is None or not (o.new_token_ids or o.finished or o.provisional):
+                if s is None:  # it left (aborted) before the engine heard of it
+                    self.counts.discarded += len(o.new_token_ids)
+                    continue
+                if not (o.new_token_ids or o.finished or o.provisional):
                     continue
                 if o.finished:  # an engine that only fails requests has not shown it can serve
                     self._left(o.request_id, served=o.finish_reason != "error")
@@ -179,7 +183,8 @@ class EngineLink:
         """A snapshot for operators and tests: open streams, the supervision counts, and the engine's stats (asked
         of the engine process, as of its last step; absent while it restarts)."""
         c = self.counts
-        base = {"streams": len(self._streams), "aborted": c.aborted, "engine_restarts": c.restarts,
+        base = {"streams": len(self._streams), "aborted": c.aborted, "generated": c.generated,
+                "discarded": c.discarded, "engine_restarts": c.restarts,
                 "readmitted": c.readmitted, "resumed": c.resumed, "quarantined": c.quarantined, "trials": c.trials}
         answer: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:

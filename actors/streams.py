@@ -99,6 +99,8 @@ class Counts:
     """What `stats()` reports of the supervision."""
 
     aborted: int = 0
+    generated: int = 0  # tokens the engine emitted, for every request (aborted ones included)
+    discarded: int = 0  # of those, tokens of requests that had left (aborted) when the engine emitted them
     restarts: int = 0
     readmitted: int = 0  # requests sent to a new engine process (from the start or resumed)
     resumed: int = 0  # of those, requests whose client had tokens: resumed from them

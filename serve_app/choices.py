@@ -18,6 +18,7 @@ from mbd.decoding.outputs import StepOutput
 from mbd.detokenize import TextStream
 from serve_app.protocol import MBDStats, PromptTokensDetails, Usage
 
+TIMEOUT = "timeout"  # the finish reason of a request whose `timeout` passed first
 Sync = Callable[..., Awaitable]  # sync(cost, fn, *args): fn(*args), off the event loop when the cost is large
 
 
@@ -42,9 +43,12 @@ class Choice:
     awaited, at `t_first` on time.perf_counter's clock), `cancel` aborts it."""
 
     def __init__(self, rid: str, index: int, prompt: list[int], text: TextStream, outputs: AsyncIterator[StepOutput],
-                 cancel: Callable[[], None], first: StepOutput, t_first: float, trace: Trace):
+                 cancel: Callable[[], None], first: StepOutput, t_first: float, trace: Trace,
+                 deadline: float | None = None):
+        """deadline: the event loop's time at which the request's `timeout` ends it (None: never)."""
         self.rid, self.index, self.prompt, self.text, self.trace = rid, index, prompt, text, trace
-        self.outputs, self.cancel = outputs, cancel
+        self.outputs, self.cancel, self.deadline = outputs, cancel, deadline
+        self.open = not first.finished  # its engine request may still generate (neither finished nor cancelled)
         self.first = self.last = first
         self.t_first = self.t_last = t_first  # when its first and its latest output arrived
         self.logprobs: list[float] = []
@@ -53,6 +57,8 @@ class Choice:
 
     @property
     def finish_reason(self) -> str:
+        if self.last.finish_reason == TIMEOUT:
+            return TIMEOUT
         return "stop" if self.text.stopped or self.last.finish_reason == "eos" else "length"
 
     @property
@@ -86,14 +92,28 @@ class Choice:
                 done = o.finished
                 if done or self.text.stopped:
                     break
-                o = await anext(self.outputs, None)
+                o = await self._next()
                 if o is not None:
                     self.t_last = time.perf_counter()
             tail, upto = await sync(0, self._finish)
             yield self._piece(tail, upto, self.finish_reason)
         finally:
-            if not done:
+            if self.open:
+                self.open = False
                 self.cancel()
+
+    async def _next(self) -> StepOutput | None:
+        """The stream's next output; once the deadline passes, a finished one with finish_reason "timeout" (its
+        engine request cancelled)."""
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                out = await anext(self.outputs, None)
+        except TimeoutError:
+            self.open = False
+            self.cancel()
+            return timed_out(self.last)
+        self.open = out is not None and not out.finished
+        return out
 
     def mark_sent(self) -> None:
         """The client's event with this choice's tokens so far is leaving (for the time breakdown)."""
@@ -104,6 +124,13 @@ class Choice:
 
     def _finish(self) -> tuple[str, int]:
         return self.text.finish(), self.text.returned_tokens
+
+
+def timed_out(last: StepOutput) -> StepOutput:
+    """The output that ends a request at its deadline, after `last` (the engine's latest for it)."""
+    return StepOutput(last.request_id, [], True, TIMEOUT, last.nfe, last.num_generated,
+                      [] if last.new_logprobs is not None else None,
+                      [] if last.new_top_logprobs is not None else None, last.cached_tokens)
 
 
 async def merge(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[Piece]:

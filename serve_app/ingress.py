@@ -36,7 +36,7 @@ from mbd.decoding.validate import EngineLimits
 from mbd.detokenize import TextStream
 from mbd.tokenizer import Tokenizer
 from serve_app import sse
-from serve_app.choices import Choice, latencies, mbd_stats, merge, usage
+from serve_app.choices import TIMEOUT, Choice, latencies, mbd_stats, merge, timed_out, usage
 from serve_app.config import ServeConfig
 from serve_app.convert import RequestConverter
 from serve_app.errors import engine_failure, unavailable
@@ -132,35 +132,58 @@ class OpenAIIngress:
         """The one path of both endpoints: the request's checks, its choices started, then SSE or the whole
         response; `r` says how its endpoint encodes the prompts and writes its JSON."""
         req, t0 = r.req, time.perf_counter()
+        deadline = None if req.timeout is None else asyncio.get_running_loop().time() + req.timeout
         self.trace.mark(r.rid, "recv")
         await self._limits()
         self.convert.check_fields(req)
         prompts, fields = await r.prompts()
         params, constraint = self.convert.engine_request(req, prompts, fields)
-        choices = await self._start(r.rid, req, prompts, params, constraint)
+        try:
+            choices = await self._start(r.rid, req, prompts, params, constraint, deadline)
+        except asyncio.CancelledError:  # the client went away while its request waited for its first tokens
+            self.metrics.abort("client_disconnect", len(prompts) * req.n)
+            raise
         buf = req.buffer_size or self.cfg.decode.buffer_size
         if req.stream:
             return sse.response(sse.events(req, choices, prompts, self.sync, buf, r.chunk, r.tail,
                                            lambda: self._record(choices, prompts, t0), self._failure,
-                                           r.heads(choices)))
-        choices, texts = await self._collect(r.rid, req, prompts, choices, params, constraint)
+                                           r.heads(choices)), on_close=lambda: self._gone(choices))
+        choices, texts = await self._collect(r.rid, req, prompts, choices, params, constraint, deadline)
         self._record(choices, prompts, t0)
         return r.whole(choices, texts, usage(prompts, choices), mbd_stats(choices, buf))
+
+    def _gone(self, choices: list[Choice]) -> None:
+        """The client went away: cancel every choice still open (its pieces may never have started, so nothing
+        else would) and count them as aborted."""
+        left = [c for c in choices if c.open]
+        for c in left:
+            c.open = False
+            c.cancel()
+        self.metrics.abort("client_disconnect", len(left))
 
     def _failure(self, e: BaseException) -> APIError:
         return engine_failure(e, self.cfg.decoder.retry_after_s)
 
     async def _start(self, rid: str, req: SamplingFields, prompts: list[list[int]], params: DecodeConfig,
-                     constraint: ConstraintSpec | None) -> list[Choice]:
+                     constraint: ConstraintSpec | None, deadline: float | None) -> list[Choice]:
         """Start n engine requests per prompt (choice index i = prompt * n + k, seed = seed + k, engine request id
-        rid.i) and wait for the first block of each: it decides the HTTP status (200, 400, 500 or 503)."""
-        # blocks one by one only when someone looks at them: an SSE client, or stop strings that may end early
-        per_block = req.stream or bool(req.stop_list())
+        rid.i) and wait for the first block of each: it decides the HTTP status (200, 400, 500 or 503). A choice
+        whose first block has not come by the deadline starts finished, with finish_reason "timeout"."""
+        # blocks one by one only when someone looks at them: an SSE client, stop strings that may end early, or a
+        # deadline that may keep what came before it
+        per_block = req.stream or bool(req.stop_list()) or deadline is not None
         ids = [f"{rid}.{i}" for i in range(len(prompts) * req.n)]
         self.trace.mark(rid, "call")
-        opened = await asyncio.gather(*(self._open(prompts[i // req.n], params.model_copy(
-            update={"seed": params.seed + i % req.n}), per_block, ids[i], constraint) for i in range(len(ids))),
-            return_exceptions=True)
+        tasks = [asyncio.ensure_future(self._open(prompts[i // req.n], params.model_copy(
+            update={"seed": params.seed + i % req.n}), per_block, ids[i], constraint, deadline))
+            for i in range(len(ids))]
+        try:
+            opened = await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:  # the client went away: the choices that did start are cancelled too
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    t.result()[0].cancel()
+            raise
         failed = next((f for f in opened if isinstance(f, BaseException)), None)
         if failed is not None:
             for f in opened:
@@ -170,22 +193,30 @@ class OpenAIIngress:
             raise self._failure(failed) from failed
         stops = req.stop_list()
         return [Choice(ids[i], i, prompts[i // req.n], TextStream(self.tok, stops), g, g.cancel, first, t_first,
-                       self.trace)
+                       self.trace, deadline)
                 for i, (g, (first, t_first)) in enumerate(opened)]  # type: ignore[misc]
 
     async def _open(self, prompt: list[int], params: DecodeConfig, per_block: bool, eid: str,
-                    constraint: ConstraintSpec | None = None
+                    constraint: ConstraintSpec | None = None, deadline: float | None = None
                     ) -> tuple[DeploymentResponseGenerator, tuple[StepOutput, float]]:
-        """One engine request, its first output and when that arrived. A request whose replica is gone before
+        """One engine request, its first output and when that arrived (at the deadline: a finished "timeout"
+        output, the request cancelled). Whatever ends the wait otherwise (the client gone, an error) cancels the
+        request wherever it is: in Serve's queue, the replica or the engine. A request whose replica is gone before
         answering (killed, lost with its node) is started again, on whichever replica Serve routes it to, up to
         decoder.replica_retries times (under a fresh id: a replica that only looked dead may still hold it)."""
         attempt = 0
         while True:
-            gen = self.decoder.generate.remote(prompt_ids=prompt, params=params, per_block=per_block,
-                                               rid=eid if not attempt else f"{eid}~{attempt}", constraint=constraint)
+            rid = eid if not attempt else f"{eid}~{attempt}"
+            gen = self.decoder.generate.remote(prompt_ids=prompt, params=params, per_block=per_block, rid=rid,
+                                               constraint=constraint)
             try:
-                return gen, await _first(gen)
-            except Exception as e:  # noqa: BLE001 - sorted by _replica_gone
+                async with asyncio.timeout_at(deadline):
+                    return gen, await _first(gen)
+            except TimeoutError:
+                gen.cancel()
+                return gen, (timed_out(StepOutput(rid, [], False, None, 0, 0)), time.perf_counter())
+            except BaseException as e:
+                gen.cancel()
                 if attempt >= self.cfg.decoder.replica_retries or not _replica_gone(e):
                     raise
                 log.warning("replica died before answering request %s; starting it again: %r", eid, e)
@@ -193,7 +224,8 @@ class OpenAIIngress:
             await asyncio.sleep(self.cfg.decoder.retry_after_s)  # Serve notices the death, or starts a replica
 
     async def _collect(self, rid: str, req: SamplingFields, prompts: list[list[int]], choices: list[Choice],
-                       params: DecodeConfig, constraint: ConstraintSpec | None) -> tuple[list[Choice], list[str]]:
+                       params: DecodeConfig, constraint: ConstraintSpec | None, deadline: float | None
+                       ) -> tuple[list[Choice], list[str]]:
         """The whole text of every choice. Nothing reaches the client before it is complete, so when its replica
         is gone mid-way the request is decoded again from the start elsewhere (the same seeds give the same
         tokens), up to decoder.replica_retries times."""
@@ -204,10 +236,13 @@ class OpenAIIngress:
                     async for p in pieces:
                         texts[p.index] += p.text
                 break
+            except asyncio.CancelledError:  # the client went away
+                self._gone(choices)
+                raise
             except Exception as e:  # noqa: BLE001 - mapped once, by `_failure`
                 if attempt < self.cfg.decoder.replica_retries and _replica_gone(e):
                     log.warning("replica died mid-request %s; decoding it again: %r", rid, e)
-                    choices = await self._start(f"{rid}~{attempt + 1}", req, prompts, params, constraint)
+                    choices = await self._start(f"{rid}~{attempt + 1}", req, prompts, params, constraint, deadline)
                     continue
                 log.warning("request %s failed: %r", rid, e)
                 raise self._failure(e) from e
@@ -216,6 +251,7 @@ class OpenAIIngress:
         return choices, texts
 
     def _record(self, choices: list[Choice], prompts: list[list[int]], t0: float) -> None:
+        self.metrics.abort("deadline", sum(c.finish_reason == TIMEOUT for c in choices))
         u, t = usage(prompts, choices), time.perf_counter()
         ttft, itl = latencies(choices, t0)
         self.metrics.finished(u.prompt_tokens, u.completion_tokens, sum(c.last.nfe for c in choices), ttft, t - t0,

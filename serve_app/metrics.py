@@ -25,6 +25,7 @@ TOKEN_LATENCY_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 TPF = [0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128]
 NFE = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 MODEL = ("model_name",)
+ABORT_REASONS = ("client_disconnect", "deadline")
 # Ray's metrics agent drops a gauge series its worker did not record again within 2 export intervals (20 s at Ray's
 # default 10 s; Ray 2.60), so the decoder records its gauges again this often: at most every export interval >= 2 s
 GAUGE_REFRESH_S = 2.0
@@ -105,6 +106,9 @@ class IngressMetrics:
         self.e2e = histogram("mbd_e2e_request_latency_seconds", "arrival to the last token", LATENCY_S)
         self.tpf = histogram("mbd_tokens_per_forward", "tokens per forward (TPF) of a request", TPF)
         self.nfe = histogram("mbd_forwards_per_request", "model forwards (NFE) of a request", NFE)
+        self.aborted = counter("mbd_requests_aborted", "engine requests (choices) ended before they finished, by "
+                               "reason: client_disconnect (the client went away) or deadline (its `timeout` passed)",
+                               ("reason",))
 
     def declare(self, endpoints: Iterable[str]) -> None:
         """Every counter at 0: the plain ones, `http_requests` per endpoint with status 200 (what the dashboard's
@@ -114,6 +118,11 @@ class IngressMetrics:
         for e in endpoints:
             _zero(self.requests, {"endpoint": e, "status": "200"})
         _zero(self.refused, {"status": "400", "field": "none"})
+        for reason in ABORT_REASONS:
+            _zero(self.aborted, {"reason": reason})
+
+    def abort(self, reason: str, n: int = 1) -> None:
+        _inc(self.aborted, n, {"reason": reason})
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.inc(tags={"endpoint": endpoint, "status": str(status)})

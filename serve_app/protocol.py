@@ -129,6 +129,9 @@ class SamplingFields(StrictRequest):
     tau_m2t: float | None = Unit
     tau_t2t: float | None = Unit
     return_token_ids: bool = False
+    timeout: float | None = Field(default=None, gt=0, le=86_400, description=(
+        "seconds from arrival after which the request ends with finish_reason \"timeout\" and what was generated "
+        "so far (LiteLLM's field); its engine work stops within a step"))
     # structured output (docs/structured-output.md): OpenAI's response_format, vLLM's shapes
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -235,7 +238,8 @@ def now() -> int:
     return int(time.time())
 
 
-FinishReason = Literal["stop", "length", "error"]  # "error": the stream failed mid-way (see the error event)
+# "error": the stream failed mid-way (see the error event); "timeout": the request's `timeout` passed first
+FinishReason = Literal["stop", "length", "error", "timeout"]
 
 
 class CompletionLogprobs(BaseModel):

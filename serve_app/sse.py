@@ -24,9 +24,24 @@ def event(obj: Any) -> str:
     return f"data: {obj.model_dump_json()}\n\n"
 
 
-def response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class EventStream(StreamingResponse):
+    """The SSE response; `on_close` runs once it ends, however it ends: the client may go away before its events
+    began (then the events' generator never started, and no `finally` of its would run)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def response(events: AsyncIterator[str], on_close: Callable[[], None]) -> EventStream:
+    return EventStream(events, on_close)
 
 
 async def events(req: SamplingFields, choices: list[Choice], prompts: list[list[int]], sync: Sync, buffer_size: int,
