@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +26,7 @@ from mbd import storage
 from mbd.config import DTYPE_NAMES, parse_dtype
 from mbd.model import load_checkpoint, save_checkpoint
 from mbd.model.checkpoint import copy_tokenizer_files
+from mbd.training_record import RECORD_FILE
 
 __all__ = ["export_checkpoint", "latest_checkpoint", "main"]  # what other pipelines may use
 
@@ -44,13 +46,16 @@ def latest_checkpoint(run_dir: str | Path) -> str:
 
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write `checkpoint/model` to `out` as config.json + model.safetensors (+ tokenizer files)."""
+    """Write `checkpoint/model` to `out` as config.json + model.safetensors (+ tokenizer files, and the training
+    record that says how it was trained: mbd/training_record.py)."""
     src = checkpoint / "model"
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{checkpoint}: no model/config.json; not a checkpoint written by `mbd train`")
     model, cfg = load_checkpoint(src, dtype=dtype)
     save_checkpoint(model, cfg, out)
     copy_tokenizer_files(src, out)
+    if (src / RECORD_FILE).is_file():
+        shutil.copyfile(src / RECORD_FILE, out / RECORD_FILE)
     return out
 
 

@@ -17,10 +17,11 @@ import sys
 from pathlib import Path
 
 from mbd.config import REPO_ROOT, ConfigError, DecodeConfig, load_decode
+from mbd.training_record import multibd_warning
 
 __all__ = ["load_decode_config", "main"]  # what other pipelines may use
 
-TINY_DIR = REPO_ROOT / "mbd" / "assets" / "tiny"
+MBD_TINY_DIR = REPO_ROOT / "mbd" / "assets" / "mbd-tiny"  # the embedded MBD model (its base: mbd/assets/tiny)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -53,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prompts", nargs="*", help="prompt texts")
     ap.add_argument("--model", default=None, help=f"checkpoint directory or Hugging Face Hub id ORG/NAME[@REVISION] "
-                    f"(default: the embedded {TINY_DIR})")
+                    f"(default: the embedded MBD model {MBD_TINY_DIR.relative_to(REPO_ROOT)})")
     ap.add_argument("--config", required=True, help="decode config YAML, e.g. configs/decode/tiny_multibd.yaml")
     ap.add_argument("--prompt-file", help="one prompt per line, or .jsonl with a 'prompt' field")
     ap.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat format")
@@ -76,9 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.trace:
             engine_cfg = engine_cfg.model_copy(update={"trace": True})
         prompts = read_prompts(args)
-        model_dir = resolve_model(args.model) if args.model else TINY_DIR
+        model_dir = resolve_model(args.model) if args.model else MBD_TINY_DIR
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"--model {model_dir}: not a checkpoint directory (config.json missing)")
+        if warning := multibd_warning(model_dir, args.model or str(model_dir), cfg.buffer_size):
+            print(f"mbd generate: warning: {warning}", file=sys.stderr, flush=True)
         if args.verbose:
             print(f"mbd generate: {engine_cfg.summary()}", file=sys.stderr, flush=True)
         engine = build_engine(model_dir, cfg, engine_cfg)

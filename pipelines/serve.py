@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from mbd.config import ConfigError
 from mbd.plan_check import check_serve
+from mbd.training_record import multibd_warning
 from pipelines.ray_session import port_is_free
 from serve_app.config import ServeConfig, load_serve_config
 
@@ -94,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     http = cfg.http
     if http.host not in {"127.0.0.1", "localhost", "::1"} and not http.api_key:
         print(f"mbd serve: warning: listening on {http.host} without an API key (set MBD_API_KEY)", file=sys.stderr)
+    if warning := multibd_warning(cfg.model.resolved_path(), cfg.model.path, cfg.decode.buffer_size):
+        print(f"mbd serve: warning: {warning}", file=sys.stderr)
 
     from pipelines.ray_session import named_address
 

@@ -153,6 +153,7 @@ def save_training_checkpoint(engine, cfg: TrainConfig, mcfg: ModelConfig, step: 
     """All ranks: DeepSpeed shards + (rank 0) HF snapshot, reported as one Ray Train checkpoint."""
     from mbd.model import save_checkpoint
     from mbd.model.checkpoint import copy_tokenizer_files
+    from mbd.training_record import TrainingRecord, write_record
 
     tmp = Path(tempfile.mkdtemp(prefix=f"mbd-ckpt-{step}-r{rank}-"))
     try:
@@ -162,6 +163,9 @@ def save_training_checkpoint(engine, cfg: TrainConfig, mcfg: ModelConfig, step: 
                 save_checkpoint(engine.module, mcfg, tmp / "model")
         if rank == 0:
             copy_tokenizer_files(cfg.model_path, tmp / "model")
+            write_record(tmp / "model", TrainingRecord(
+                layouts=cfg.layouts.mode, objective=cfg.objective.name, block_size=mcfg.training_block_size(),
+                steps=step, base_model=cfg.model_path, data=cfg.data.parquet or cfg.data.jsonl or ""))
             (tmp / "train_state.json").write_text(json.dumps({"step": step, "metrics": metrics}))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)))
     finally:

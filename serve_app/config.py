@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, model_validator
 
 from actors.supervisor import EngineRestarts
-from mbd.config import DecodeConfig, EngineConfig, StrictModel, load_yaml
+from mbd.config import ConfigError, DecodeConfig, EngineConfig, StrictModel, load_decode, load_yaml
 from mbd.decoding.model_spec import ModelSpec
 
 
@@ -85,12 +86,28 @@ class MetricsSpec(StrictModel):
 class ServeConfig(StrictModel):
     model: ModelSpec
     engine: EngineConfig = EngineConfig()
-    decode: DecodeConfig = DecodeConfig()
+    decode: DecodeConfig = Field(default=DecodeConfig(), description=(
+        "decoding defaults and per-request bounds; `base: <decode YAML>` takes that file's operating point, the "
+        "fields beside it override it"))
     limits: RequestLimits = RequestLimits()
     decoder: DecoderDeployment = DecoderDeployment()
     ingress: IngressDeployment = IngressDeployment()
     http: HTTPSpec = HTTPSpec()
     metrics: MetricsSpec = MetricsSpec()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _decode_base(cls, data: Any) -> Any:
+        """`decode: {base: configs/decode/x.yaml, ...}`: the decode YAML's fields (its `engine:` section is how
+        `mbd generate` runs it, not a decode field), then the fields given beside `base` over them."""
+        dec = data.get("decode") if isinstance(data, dict) else None
+        if not isinstance(dec, dict) or "base" not in dec:
+            return data
+        try:
+            point = load_decode(dec["base"])[0].model_dump(exclude_unset=True)
+        except ConfigError as e:
+            raise ValueError(f"decode.base: {e}") from e
+        return data | {"decode": point | {k: v for k, v in dec.items() if k != "base"}}
 
     @model_validator(mode="after")
     def _rows_can_fill(self) -> "ServeConfig":

@@ -113,3 +113,33 @@ def test_structured_output_on_both_endpoints(base):
                                          "name": "x", "schema": {"type": "object"}, "strict": True}})
     assert e.value.body["param"] == "response_format.json_schema.schema"
     assert "vocabulary cannot express" in e.value.body["message"]
+
+
+# ---------------------------------------------------------------- the README's serve command answers correctly
+
+SERVED = 24  # held-out problems asked over HTTP
+
+
+def test_the_served_default_is_the_mbd_model_and_answers_as_documented(base):
+    """`mbd serve --config configs/serve/tiny.yaml` serves the embedded MBD model at the tiny MultiBD operating point:
+    over real HTTP its greedy answers to held-out problems are the engine's own on the same weights and config, and
+    they score within three binomial standard errors of its documented held-out accuracy."""
+    import math
+
+    from mbd.decoding import EngineConfig, build_engine
+    from mbd.tiny.benchmark import TinyMath
+
+    cfg = load_serve_config(REPO / "configs" / "serve" / "tiny.yaml")
+    doc = json.loads((cfg.model.resolved_path() / "provenance.json").read_text())["eval"]["first_1000"]
+    assert cfg.model.path == "mbd/assets/mbd-tiny" and cfg.decode.buffer_size > 1
+    problems = TinyMath().load(limit=SERVED)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    decode = cfg.decode.model_copy(update={"max_new_tokens": 128})  # what the documented evaluation gave each problem
+    served = [client.chat.completions.create(model=cfg.model.name, max_tokens=decode.max_new_tokens,
+                                             messages=[{"role": "user", "content": p.prompt_text}])
+              .choices[0].message.content for p in problems]
+    engine = build_engine(cfg.model.resolved_path(), decode, EngineConfig(device="cpu", dtype="float32"))
+    assert served == [r.text for r in engine.generate([p.prompt_text for p in problems])]
+    correct = sum(score_gsm8k(text, p.reference).correct for text, p in zip(served, problems))
+    p = doc["accuracy"]
+    assert correct / SERVED >= p - 3 * math.sqrt(p * (1 - p) / SERVED)
