@@ -84,6 +84,9 @@ class EvalSection(StrictModel):
     batch_size: int = Field(default=16, ge=1)
     tps_problems: int = Field(default=16, ge=1, description="held-out problems of the side-by-side TPS timing")
     tps_rounds: int = Field(default=3, ge=1, description="interleaved rounds of the TPS timing (median reported)")
+    tps_batches: list[int] = Field(default=[1, 8], min_length=1, description=(
+        "requests decoded together in the TPS timing, a column each: 1 is the paper's setting, 8 the tiny service's "
+        "batch rows (MBD's tokens/s gain shrinks as the batch grows: README, docs/performance.md)"))
     trace_problems: int = Field(default=32, ge=0)
 
     def overrides(self, path: str) -> list[dict[str, Any]]:
@@ -293,27 +296,33 @@ def curves_of(cfg: QuickstartConfig, store: Path, methods: Sequence[MethodSpec],
 
 def tps_stage(cfg: QuickstartConfig, sweep, methods: Sequence[MethodSpec],
               rows: Sequence[MethodRow]) -> list[MethodRow]:
-    """`rows` with TPS measured side by side in this process: each method's operating point decodes the same first
-    `eval.tps_problems` problems in `eval.tps_rounds` interleaved rounds (mbd.eval.timing)."""
+    """`rows` with TPS measured side by side in this process, at each of `eval.tps_batches`: each method's operating
+    point decodes the same first `eval.tps_problems` problems in `eval.tps_rounds` interleaved rounds
+    (mbd.eval.timing), that many requests decoded together."""
     from mbd.decoding.spec import build_engine, load_engine_model
     from mbd.eval.prompts import chat_messages
     from mbd.eval.sweep import load_splits
-    from mbd.eval.timing import engine_decoder, interleaved_tps
+    from mbd.eval.timing import TpsStat, engine_decoder, interleaved_tps
 
     split = load_splits(sweep)[BENCHMARK]
     paths = {m.name: m.path for m in sweep.models}
     loaded = {name: load_engine_model(paths[name], sweep.engine) for name in {m[3] for m in methods}}
-    decoders = {}
-    for label, _, path, model in methods:
-        tok = loaded[model][1]
-        prompts = [tok.encode_chat(chat_messages(p, split.exemplars)) for p in split.scored[: cfg.eval.tps_problems]]
-        engine = build_engine(paths[model], cfg.eval.points(path)[0], sweep.engine, loaded=loaded[model])
-        decoders[label] = engine_decoder(engine, prompts, cfg.eval.points(path)[0])
-    stats = interleaved_tps(decoders, cfg.eval.tps_rounds)
-    print(f"    TPS side by side: {len(decoders)} methods x {cfg.eval.tps_rounds} interleaved rounds on the first "
-          f"{min(cfg.eval.tps_problems, len(split.scored))} held-out problems, batch {sweep.engine.max_batch_rows}; "
-          + ", ".join(f"{k} {s.median:.1f} ({s.low:.1f}-{s.high:.1f})" for k, s in stats.items()), flush=True)
-    return [r.model_copy(update={"tps_timed": stats[r.method]}) for r in rows]
+    timed: dict[str, dict[int, TpsStat]] = {label: {} for label, *_ in methods}
+    for batch in cfg.eval.tps_batches:
+        engine_cfg = sweep.engine.model_copy(update={"max_batch_rows": batch, "batch_buckets": None})
+        decoders = {}
+        for label, _, path, model in methods:
+            tok = loaded[model][1]
+            prompts = [tok.encode_chat(chat_messages(p, split.exemplars)) for p in split.scored[: cfg.eval.tps_problems]]
+            engine = build_engine(paths[model], cfg.eval.points(path)[0], engine_cfg, loaded=loaded[model])
+            decoders[label] = engine_decoder(engine, prompts, cfg.eval.points(path)[0])
+        stats = interleaved_tps(decoders, cfg.eval.tps_rounds)
+        print(f"    TPS side by side at batch {batch}: {len(decoders)} methods x {cfg.eval.tps_rounds} interleaved rounds "
+              f"on the first {min(cfg.eval.tps_problems, len(split.scored))} held-out problems; "
+              + ", ".join(f"{k} {s.median:.1f} ({s.low:.1f}-{s.high:.1f})" for k, s in stats.items()), flush=True)
+        for label, stat in stats.items():
+            timed[label][batch] = stat
+    return [r.model_copy(update={"tps_timed": timed[r.method]}) for r in rows]
 
 
 def section_title(cfg: QuickstartConfig) -> str:

@@ -367,7 +367,8 @@ class MethodRow(BaseModel):
     tps: float = Field(description="the sweep cell's TPS, timed whenever its worker ran it (rows not comparable)")
     aup: float | None
     curve: list[tuple[float, float]] = Field(description="(TPF, Acc) of every curve point")
-    tps_timed: TpsStat | None = Field(default=None, description="TPS measured side by side (mbd.eval.timing)")
+    tps_timed: dict[int, TpsStat] = Field(default={}, description="TPS measured side by side (mbd.eval.timing), "
+                                          "per batch size (requests decoded together)")
 
 
 class Method(BaseModel):
@@ -396,16 +397,17 @@ def method_rows(cells: Sequence[CellMetrics], methods: Sequence[Method], benchma
 
 
 def method_table(rows: Sequence[MethodRow], section: str, benchmark: str) -> str:
-    """Markdown in tab:main_results' layout for one benchmark (its columns are also the average). The TPS column
-    is printed only when every row's TPS was measured side by side (median, min-max over rounds): per-cell sweep
-    TPS is timed at different moments of the machine and cannot be compared across rows."""
+    """Markdown in tab:main_results' layout for one benchmark (its columns are also the average). The TPS columns
+    (one per batch size) are printed only when every row's TPS was measured side by side at the same batch sizes
+    (median, min-max over rounds): per-cell sweep TPS is timed at different moments of the machine and cannot be
+    compared across rows."""
     name = display(benchmark)
-    timed = bool(rows) and all(r.tps_timed is not None for r in rows)
-    tps_head = ["TPS ↑ (median, min-max)"] if timed else []
+    batches = sorted(rows[0].tps_timed) if rows else []
+    timed = bool(batches) and all(sorted(r.tps_timed) == batches for r in rows)
+    tps_head = [f"TPS ↑ at batch {b} (median, min-max)" for b in batches] if timed else []
     head = ["Model", f"{name} Acc ↑", f"{name} TPF ↑"] + tps_head + ["AUP ↑"]
     body = [[f"***{section}***"] + [""] * (len(head) - 1)]
     for r in rows:
-        t = r.tps_timed
-        tps = [f"{t.median:.1f} ({t.low:.1f}-{t.high:.1f})"] if timed and t is not None else []
+        tps = [f"{t.median:.1f} ({t.low:.1f}-{t.high:.1f})" for t in (r.tps_timed[b] for b in batches)] if timed else []
         body.append([r.method, _fmt(r.accuracy), _fmt(r.tpf)] + tps + [_fmt(r.aup)])
     return markdown_table(head, body)

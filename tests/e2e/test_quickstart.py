@@ -45,9 +45,10 @@ def test_table_has_the_four_methods_with_finite_numbers(run):
         assert len(r.curve) == curve_points and r.aup is not None and math.isfinite(r.aup)
         assert f"| {r.method} |" in s.table_markdown
         # TPS side by side: one sample per interleaved round, the median inside its spread, in the table
-        t = r.tps_timed
-        assert t is not None and len(t.per_round) == ev.tps_rounds and t.low <= t.median <= t.high and t.low > 0
-        assert f"| {t.median:.1f} ({t.low:.1f}-{t.high:.1f}) |" in s.table_markdown
+        assert sorted(r.tps_timed) == sorted(ev.tps_batches)
+        for t in r.tps_timed.values():
+            assert len(t.per_round) == ev.tps_rounds and t.low <= t.median <= t.high and t.low > 0
+            assert f"| {t.median:.1f} ({t.low:.1f}-{t.high:.1f}) |" in s.table_markdown
     # SingleBD and training-free MultiBD decode the shipped base, MBD (and its SingleBD diagnostic) the export
     assert [r.model for r in s.rows] == ["base", "base", "mbd-tiny", "mbd-tiny"]
     pairs, claim_a = s.comparisons[:2], s.comparisons[2:]

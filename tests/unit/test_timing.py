@@ -32,14 +32,16 @@ def test_medians_and_spread_from_a_fake_decoder():
         interleaved_tps({"A": fake("A")}, 0)
 
 
-def row(method: str, timed: TpsStat | None) -> MethodRow:
+def row(method: str, timed: dict[int, TpsStat]) -> MethodRow:
     return MethodRow(method=method, model="m", config="c", n=10, accuracy=80.0, tpf=2.0, tps=99.0, aup=5.0,
                      curve=[(2.0, 80.0)], tps_timed=timed)
 
 
-def test_method_table_prints_tps_only_when_every_row_was_timed_side_by_side():
-    t = TpsStat.of([40.0, 42.5, 41.0])
-    timed = method_table([row("A", t), row("B", t)], "tiny", "tinymath")
-    assert "TPS ↑ (median, min-max)" in timed and "| A | 80.00 | 2.00 | 41.0 (40.0-42.5) | 5.00 |" in timed
-    mixed = method_table([row("A", t), row("B", None)], "tiny", "tinymath")
-    assert "TPS" not in mixed and "99.0" not in mixed and "| B | 80.00 | 2.00 | 5.00 |" in mixed
+def test_method_table_prints_tps_per_batch_only_when_every_row_was_timed_side_by_side():
+    t, u = TpsStat.of([40.0, 42.5, 41.0]), TpsStat.of([90.0, 95.0])
+    timed = method_table([row("A", {8: u, 1: t}), row("B", {1: t, 8: u})], "tiny", "tinymath")
+    assert "| TPS ↑ at batch 1 (median, min-max) | TPS ↑ at batch 8 (median, min-max) |" in timed
+    assert "| A | 80.00 | 2.00 | 41.0 (40.0-42.5) | 92.5 (90.0-95.0) | 5.00 |" in timed
+    for other in ({}, {1: t}):  # a row not timed, or not at every batch: no TPS column at all
+        mixed = method_table([row("A", {1: t, 8: u}), row("B", other)], "tiny", "tinymath")
+        assert "TPS" not in mixed and "99.0" not in mixed and "| B | 80.00 | 2.00 | 5.00 |" in mixed
