@@ -139,7 +139,7 @@ class OpenAIIngress:
         prompts, fields = await r.prompts()
         params, constraint = self.convert.engine_request(req, prompts, fields)
         try:
-            choices = await self._start(r.rid, req, prompts, params, constraint, deadline)
+            choices, texts = await self._run(r.rid, req, prompts, params, constraint, deadline)
         except asyncio.CancelledError:  # the client went away while its request waited for its first tokens
             self.metrics.abort("client_disconnect", len(prompts) * req.n)
             raise
@@ -148,9 +148,29 @@ class OpenAIIngress:
             return sse.response(sse.events(req, choices, prompts, self.sync, buf, r.chunk, r.tail,
                                            lambda: self._record(choices, prompts, t0), self._failure,
                                            r.heads(choices)), on_close=lambda: self._gone(choices))
-        choices, texts = await self._collect(r.rid, req, prompts, choices, params, constraint, deadline)
         self._record(choices, prompts, t0)
         return r.whole(choices, texts, usage(prompts, choices), mbd_stats(choices, buf))
+
+    async def _run(self, rid: str, req: SamplingFields, prompts: list[list[int]], params: DecodeConfig,
+                   constraint: ConstraintSpec | None, deadline: float | None) -> tuple[list[Choice], list[str]]:
+        """The one place a request is started again: its choices started (`_start`) and, unless it streams,
+        collected (`_collect`); when a replica is gone before the client got anything (a streaming request's
+        first blocks, a whole response), every choice is started again, under fresh ids (a replica that only
+        looked dead may still hold them) on whichever replica Serve routes it to, at most decoder.replica_retries
+        times: decoder.replica_retries + 1 starts in all. The same seeds give the same tokens."""
+        attempt = 0
+        while True:
+            try:
+                choices = await self._start(rid if not attempt else f"{rid}~{attempt}", req, prompts, params,
+                                            constraint, deadline)
+                return (choices, []) if req.stream else (choices, await self._collect(choices))
+            except Exception as e:  # noqa: BLE001 - mapped once, by `_failure`
+                if attempt >= self.cfg.decoder.replica_retries or not _replica_gone(e):
+                    log.warning("request %s failed: %r", rid, e)
+                    raise self._failure(e) from e
+                log.warning("replica died before request %s was answered; starting it again: %r", rid, e)
+            attempt += 1
+            await asyncio.sleep(self.cfg.decoder.retry_after_s)  # Serve notices the death, or starts a replica
 
     def _gone(self, choices: list[Choice]) -> None:
         """The client went away: cancel every choice still open (its pieces may never have started, so nothing
@@ -189,8 +209,7 @@ class OpenAIIngress:
             for f in opened:
                 if not isinstance(f, BaseException):  # cancelling a refused request re-raises its BackPressureError
                     f[0].cancel()
-            log.warning("request %s failed to start: %r", rid, failed)
-            raise self._failure(failed) from failed
+            raise failed
         stops = req.stop_list()
         return [Choice(ids[i], i, prompts[i // req.n], TextStream(self.tok, stops), g, g.cancel, first, t_first,
                        self.trace, deadline)
@@ -201,54 +220,34 @@ class OpenAIIngress:
                     ) -> tuple[DeploymentResponseGenerator, tuple[StepOutput, float]]:
         """One engine request, its first output and when that arrived (at the deadline: a finished "timeout"
         output, the request cancelled). Whatever ends the wait otherwise (the client gone, an error) cancels the
-        request wherever it is: in Serve's queue, the replica or the engine. A request whose replica is gone before
-        answering (killed, lost with its node) is started again, on whichever replica Serve routes it to, up to
-        decoder.replica_retries times (under a fresh id: a replica that only looked dead may still hold it)."""
-        attempt = 0
-        while True:
-            rid = eid if not attempt else f"{eid}~{attempt}"
-            gen = self.decoder.generate.remote(prompt_ids=prompt, params=params, per_block=per_block, rid=rid,
-                                               constraint=constraint)
-            try:
-                async with asyncio.timeout_at(deadline):
-                    return gen, await _first(gen)
-            except TimeoutError:
-                gen.cancel()
-                return gen, (timed_out(StepOutput(rid, [], False, None, 0, 0)), time.perf_counter())
-            except BaseException as e:
-                gen.cancel()
-                if attempt >= self.cfg.decoder.replica_retries or not _replica_gone(e):
-                    raise
-                log.warning("replica died before answering request %s; starting it again: %r", eid, e)
-            attempt += 1
-            await asyncio.sleep(self.cfg.decoder.retry_after_s)  # Serve notices the death, or starts a replica
+        request wherever it is: in Serve's queue, the replica or the engine. Started once: `_run` decides whether
+        a request whose replica is gone is started again."""
+        gen = self.decoder.generate.remote(prompt_ids=prompt, params=params, per_block=per_block, rid=eid,
+                                           constraint=constraint)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return gen, await _first(gen)
+        except TimeoutError:
+            gen.cancel()
+            return gen, (timed_out(StepOutput(eid, [], False, None, 0, 0)), time.perf_counter())
+        except BaseException:
+            gen.cancel()
+            raise
 
-    async def _collect(self, rid: str, req: SamplingFields, prompts: list[list[int]], choices: list[Choice],
-                       params: DecodeConfig, constraint: ConstraintSpec | None, deadline: float | None
-                       ) -> tuple[list[Choice], list[str]]:
-        """The whole text of every choice. Nothing reaches the client before it is complete, so when its replica
-        is gone mid-way the request is decoded again from the start elsewhere (the same seeds give the same
-        tokens), up to decoder.replica_retries times."""
-        for attempt in range(self.cfg.decoder.replica_retries + 1):
-            texts = [""] * len(choices)
-            try:
-                async with aclosing(merge([c.pieces(self.sync) for c in choices])) as pieces:
-                    async for p in pieces:
-                        texts[p.index] += p.text
-                break
-            except asyncio.CancelledError:  # the client went away
-                self._gone(choices)
-                raise
-            except Exception as e:  # noqa: BLE001 - mapped once, by `_failure`
-                if attempt < self.cfg.decoder.replica_retries and _replica_gone(e):
-                    log.warning("replica died mid-request %s; decoding it again: %r", rid, e)
-                    choices = await self._start(f"{rid}~{attempt + 1}", req, prompts, params, constraint, deadline)
-                    continue
-                log.warning("request %s failed: %r", rid, e)
-                raise self._failure(e) from e
+    async def _collect(self, choices: list[Choice]) -> list[str]:
+        """The whole text of every choice. Nothing reaches the client before it is complete, so an error here
+        (its replica gone mid-way) lets `_run` decode the request again from the start elsewhere."""
+        texts = [""] * len(choices)
+        try:
+            async with aclosing(merge([c.pieces(self.sync) for c in choices])) as pieces:
+                async for p in pieces:
+                    texts[p.index] += p.text
+        except asyncio.CancelledError:  # the client went away
+            self._gone(choices)
+            raise
         for c in choices:
             self.trace.mark(c.rid, "done", c.sent)
-        return choices, texts
+        return texts
 
     def _record(self, choices: list[Choice], prompts: list[list[int]], t0: float) -> None:
         self.metrics.abort("deadline", sum(c.finish_reason == TIMEOUT for c in choices))
