@@ -32,6 +32,11 @@ class Launched:
     workers: list[tuple[object, ray.ObjectRef]]  # ranks 1..: (actor, its `run` call)
 
 
+def ranks_ended(workers: list[tuple[object, ray.ObjectRef]], timeout_s: float) -> bool:
+    """Whether a tensor-parallel rank's loop ended (waiting up to timeout_s for one to)."""
+    return bool(workers) and bool(ray.wait([ref for _, ref in workers], timeout=timeout_s)[0])
+
+
 def end_workers(workers: list[tuple[object, ray.ObjectRef]]) -> None:
     for actor, _ in workers:
         ray.kill(actor, no_restart=True)

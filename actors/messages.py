@@ -36,6 +36,11 @@ class RequestQuarantined(RuntimeError):
     """The request was in the engine's step each time the engine died by itself, the last time on its trial: it
     is not run again, here or on another replica (it would take that engine down as well)."""
 
+    @classmethod
+    def convicted(cls, exit_status: str) -> RequestQuarantined:
+        return cls(f"the engine process died by itself ({exit_status}) with this request alone in its step, on this "
+                   "request's trial after it had been in a step that died; it is not run again")
+
 
 class RequestFailed(RuntimeError):
     """The engine ended this request alone (finish_reason "error", e.g. no valid distribution to sample from):

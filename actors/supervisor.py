@@ -1,6 +1,6 @@
-"""How a decoder replica supervises its engine process, as policy (the mechanics are actors/engine_host.py): which
-exits are evidence against the requests of the engine's step, how suspects are tried until one is convicted or
-all are cleared, and when a crash loop gives up. Pure logic on request ids and times, so it is unit-tested alone.
+"""How a decoder replica supervises its engine process, as policy (the mechanics: actors/replica_supervisor.py):
+which exits are evidence against the requests of the engine's step, how suspects are tried until one is convicted
+or all are cleared, and when a crash loop gives up. Pure logic on request ids and times, so it is unit-tested alone.
 
 Evidence: an engine process that died by itself (an exception, a fault) in a step is evidence against every
 request of that step, whatever each had produced before (a request can crash on its 6th step as well as its
@@ -140,6 +140,21 @@ class Trials:
             if rid in g:
                 g.remove(rid)
         self.queue = collections.deque(g for g in self.queue if g)
+
+
+def judge(trials: Trials, exits: ExitLog, step: list[str], by_itself: bool, now: float) -> str | None:
+    """An engine process ended with `step` (the live requests of its step) in it, by itself or not: the trials and
+    the exit log take note; returns the request convicted, if any (alone in a step that died on its trial)."""
+    if by_itself and trials.current is not None and any(r in trials.current for r in step):
+        culprit = trials.crashed(step)  # a trial crash does not count toward giving up
+        if culprit is not None:
+            exits.explain(culprit, now)
+        return culprit
+    trials.retry()
+    exits.add(now, step if by_itself else ())
+    if by_itself:
+        trials.suspect(step)
+    return None
 
 
 class ExitLog:

@@ -34,5 +34,5 @@ class Decoder(EngineHost):
         return super().stats() | {"pid": os.getpid()}
 
     def __del__(self) -> None:
-        if hasattr(self, "_reader"):
+        if hasattr(self, "_link"):
             self.shutdown()
