@@ -21,6 +21,7 @@ import time
 import httpx
 import pytest
 
+from benchmarks.client_disconnect import ingress_url
 from tests.integration.conftest import SERVE_SLOTS, decoder_stats, serve_apps, tiny_serve_config
 from tests.integration.scrape import export_ports, poll, scrape, total
 from tests.integration.test_serve_units import DECODE
@@ -45,19 +46,9 @@ def base(serve_url, ckpt):
 @pytest.fixture(scope="module")
 def direct(base) -> str:
     """The app on its ingress replica's own HTTP port (where HAProxy forwards it)."""
-    import psutil
-
-    title = f"ServeReplica:{APP}:OpenAIIngress"  # the replica's process title (Ray sets it)
-    (proc,) = [p for p in psutil.process_iter(["cmdline"]) if title in " ".join(p.info["cmdline"] or [])]
-    for c in proc.net_connections("tcp"):
-        if c.status == psutil.CONN_LISTEN:
-            url = f"http://127.0.0.1:{c.laddr.port}/{APP}"
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                continue
-    raise AssertionError("the ingress replica serves HTTP on no port of its own")
+    url = ingress_url(APP, f"/{APP}")
+    assert url is not None, "the ingress replica serves HTTP on no port of its own"
+    return url
 
 
 def _body(i: int, stream: bool, max_tokens: int = LONG, **kw) -> dict:
