@@ -65,11 +65,6 @@ def test_serve_configs_load(path):
         assert cfg.engine.device == "cuda" and cfg.model.num_gpus_per_rank == 1
 
 
-def test_tiny_config_points_at_embedded_model():
-    cfg = load_serve_config(REPO / "configs" / "serve" / "tiny.yaml")
-    assert cfg.model.resolved_path() == REPO / "mbd" / "assets" / "tiny"
-
-
 def test_bad_serve_config_names_the_field(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("model: {path: x, tensor_parallel_size: 0}\n")
