@@ -22,8 +22,9 @@ from mbd.decoding.validate import RequestError, RequestParams
 @dataclass(eq=False)
 class Stream:
     """One request: what (re-)admits it to an engine process, its way back to its handler, and what the engine
-    emitted for it so far (so that a new engine process resumes it where its client stands). With per_block=False
-    the reader merges its outputs and hands over only the finished whole (one wake-up of its event loop)."""
+    emitted for it so far with the checkpoint after it (so that a new engine process resumes it where its client
+    stands; the outputs handed over carry no checkpoint). With per_block=False the reader merges its outputs and
+    hands over only the finished whole (one wake-up of its event loop)."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
@@ -40,6 +41,8 @@ class Stream:
         self.emitted += o.new_token_ids
         if o.new_token_ids:
             self.checkpoint = o.checkpoint
+        if o.checkpoint is not None:  # resume state stays here: the handler, and the ingress over Ray, never read it
+            o = dataclasses.replace(o, checkpoint=None)
         self.last = o
         if self.per_block:
             return o
