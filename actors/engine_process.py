@@ -3,8 +3,8 @@
 Why a process and not a thread of the replica: the engine's Python (scheduling, the policy's host bookkeeping,
 publishing a step) and the replica's request handling (Serve's request path, gRPC, pickling) would share one
 interpreter lock. On a model whose step is short, every request the replica handles then stalls the engine: on
-the tiny model a replica with the engine in a thread served 0.6x the requests of the same engine called directly
-(docs/performance.md), with the replica's process saturated and the machine's other core half idle. In its own
+the tiny model a replica with the engine in a thread served far fewer requests than the same engine called
+directly, with the replica's process saturated (docs/performance.md has the measurements). In its own
 process the engine steps at its own speed while the replica's Python runs beside it (vLLM V1 splits its engine
 core from its API server for the same reason).
 

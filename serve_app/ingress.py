@@ -65,8 +65,8 @@ async def _first(gen: DeploymentResponseGenerator) -> tuple[StepOutput, float]:
 class OpenAIIngress:
     def __init__(self, decoder: DeploymentHandle, cfg: ServeConfig):
         # Serve's replica-to-replica gRPC path (`_by_reference=False`, what Serve's throughput-optimized mode makes
-        # the default) instead of a Ray actor task per request: on the tiny model 106 -> 122 requests/s at 32
-        # clients (docs/performance.md). The handle arrives with the driver's options, so it is set here.
+        # the default) instead of a Ray actor task per request: more requests/s on the tiny model (measured in
+        # docs/performance.md). The handle arrives with the driver's options, so it is set here.
         self.decoder = decoder.options(stream=True, _by_reference=False)
         self._decoder = decoder
         self.cfg = cfg

@@ -4,16 +4,15 @@ response). The ingress runs one path for both (`OpenAIIngress._generate`) with o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
+from mbd.tokenizer import Tokenizer
 from serve_app.choices import Choice, Piece
+from serve_app.convert import RequestConverter
 from serve_app.protocol import (MASK_GLYPH, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                 ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, CompletionChoice,
                                 CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, MBDStats,
                                 Provisional, ProvisionalBlock, TokenLogprob, Usage, new_id, now)
-
-if TYPE_CHECKING:
-    from serve_app.ingress import OpenAIIngress
 
 INLINE_COST = 1024  # characters or tokens (de)tokenized on the event loop; more go to the tokenizer pool
 MESSAGE_COST = 64  # a chat message's own cost in the chat template's render, however short its content
@@ -31,12 +30,22 @@ def chat_cost(messages: list[dict[str, Any]]) -> int:
     return sum(len(m["content"]) + MESSAGE_COST for m in messages)
 
 
+class Ingress(Protocol):
+    """What a render uses of the ingress (serve_app/ingress.py `OpenAIIngress`, which imports this module)."""
+
+    tok: Tokenizer
+    convert: RequestConverter
+    name: str
+
+    async def sync(self, cost: int, fn: Callable, *args: Any) -> Any: ...
+
+
 class Render:
     """One request's endpoint-specific side; `ing` lends the tokenizer, the model name and the mask id."""
 
     prefix = ""
 
-    def __init__(self, ing: OpenAIIngress, req: Any):
+    def __init__(self, ing: Ingress, req: Any):
         self.ing, self.req, self.tok = ing, req, ing.tok
         self.rid, self.created = new_id(self.prefix), now()
 
@@ -66,7 +75,7 @@ class CompletionRender(Render):
     prefix = "cmpl"
     req: CompletionRequest
 
-    def __init__(self, ing: OpenAIIngress, req: CompletionRequest):
+    def __init__(self, ing: Ingress, req: CompletionRequest):
         super().__init__(ing, req)
         self.offsets: dict[int, int] = {}  # per choice: characters streamed so far (text_offset)
 

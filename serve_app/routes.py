@@ -3,7 +3,7 @@ bounded by its deployment (so its OpenAPI document says what it accepts), its er
 (serve_app/errors.py), and an OpenAPI document that lists the status codes we really send."""
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any, Protocol
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -14,13 +14,27 @@ from ray import serve
 
 from mbd.checkpoint_files import read_model_config
 from serve_app import errors, exposition
+from serve_app.config import ServeConfig
 from serve_app.errors import ENDPOINTS, RESPONSES, generation_responses, unavailable
+from serve_app.metrics import IngressMetrics
 from serve_app.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                 CompletionResponse, ModelList, prompt_type)
 from serve_app.schema_rules import Int
 
-if TYPE_CHECKING:
-    from serve_app.ingress import OpenAIIngress
+
+class Ingress(Protocol):
+    """What the routes call of the ingress (serve_app/ingress.py `OpenAIIngress`, which builds this app)."""
+
+    cfg: ServeConfig
+    metrics: IngressMetrics | None
+
+    async def health(self) -> str: ...
+
+    async def models(self) -> ModelList: ...
+
+    async def completions(self, req: CompletionRequest) -> Any: ...
+
+    async def chat(self, req: ChatCompletionRequest) -> Any: ...
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -104,7 +118,7 @@ def deployment_models(b: Bounds) -> tuple[type[CompletionRequest], type[ChatComp
 
 
 
-def bounds(ing: "OpenAIIngress") -> Bounds:
+def bounds(ing: Ingress) -> Bounds:
     """The deployment's bounds on requests: its serve config and its model's config.json."""
     cfg = ing.cfg
     model = read_model_config(cfg.model.resolved_path())
@@ -113,7 +127,7 @@ def bounds(ing: "OpenAIIngress") -> Bounds:
                   vocab_size=model.vocab_size, mask_id=model.mask_token_id)
 
 
-def http_app(ing: "OpenAIIngress", api_key: str | None) -> FastAPI:
+def http_app(ing: Ingress, api_key: str | None) -> FastAPI:
     # the request models are this deployment's (annotations are evaluated here, so they can be local names)
     Completion, Chat = deployment_models(bounds(ing))
     app = FastAPI(title="mbd-lm", description="OpenAI-compatible API for Multi-Block Diffusion LMs")
