@@ -2,8 +2,8 @@
 actors in the other bundles of the replica's placement group; wait until the engine says it is `Ready`.
 
 Imports no torch: only the engine process and the TP ranks need it. A replica with one rank, the engine host,
-therefore starts without it (torch's import is about 3 s of CPU on the machines the tests run on, paid again at
-every replica start before its engine process can start)."""
+therefore starts without it (torch's import costs seconds of CPU, paid again at every replica start before its
+engine process can start)."""
 
 from __future__ import annotations
 
