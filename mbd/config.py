@@ -21,6 +21,8 @@ from typing import Any, Literal, Sequence, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from mbd.config_error import ConfigError  # re-exported: `from mbd.config import ConfigError` everywhere else
+
 T = TypeVar("T", bound=BaseModel)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -32,10 +34,6 @@ ARCHITECTURES = {"SDARForCausalLM": "sdar", "LLaDA2MoeModelLM": "llada2_moe"}
 FAMILY_MASK = {"sdar": 151669, "llada2_moe": 156895}
 FAMILY_EOS = {"llada2_moe": 156892}
 FAMILY_BLOCK = {"llada2_moe": 32}
-
-
-class ConfigError(ValueError):
-    """A configuration file or value is invalid; the message names the field and the fix."""
 
 
 class StrictModel(BaseModel):

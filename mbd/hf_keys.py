@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
-from mbd.config import ConfigError
+from mbd.config_error import ConfigError
 
 COMMON_READ = frozenset({
     "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -29,7 +29,8 @@ import ray
 from mbd.config import ConfigError, apply_sets, read_yaml, resolve_path, validate
 from mbd.eval.benchmarks import Problem, ScoreResult, get_benchmark
 from mbd.eval.isolation import UNSAFE_ENV, IsolationUnavailable, require_isolation
-from mbd.eval.report import SweepSummary, write_sweep_report
+from mbd.eval.report import SweepSummary
+from mbd.eval.sweep_report import write_sweep_report
 from mbd.eval.result_sync import StagedOutput, staged_output
 from mbd.eval.sweep import (
     Cell,

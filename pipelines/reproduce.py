@@ -328,7 +328,7 @@ def run_reproduce(cfg: QuickstartConfig, run_dir: Path, parts: Sequence[str], pr
                                       f"held-out problems"):
                 claimed = run_sweep(sweeps["claims"], progress=progress)
     else:
-        from mbd.eval.report import write_sweep_report
+        from mbd.eval.sweep_report import write_sweep_report
         from mbd.eval.sweep import load_problems
 
         summary, claimed = (write_sweep_report(s, load_problems(s)) for s in sweeps.values())

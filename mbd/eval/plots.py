@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mbd.eval.report import Report, _fmt, active_counts, activity_profile, display, mask_ratios_by_rank
+from mbd.eval.report import Report, active_counts, activity_profile, display, fmt, mask_ratios_by_rank
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -65,7 +65,7 @@ def accuracy_vs_tpf_figure(report: Report) -> "Figure":
             pts.sort()
             value = c.mean if panel == "Average" else c.per_benchmark.get(panel)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    label=f"{c.section}: {c.curve} (AUP {_fmt(value)})")
+                    label=f"{c.section}: {c.curve} (AUP {fmt(value)})")
             for x, y, name in pts:
                 ax.annotate(name, (x, y), fontsize=LABEL_SIZE, alpha=0.8, textcoords="offset points",
                             xytext=(RINGS[0], RINGS[0]), ha="left", va="bottom", arrowprops=LEADER).set_in_layout(False)

@@ -14,8 +14,8 @@
   prefix-cache hit rate (prompt tokens served from cached pages over those looked up, from the engine's counters
   over every decoded unit of the cell; averaged over benchmarks). Few-shot entries (`fewshot: k`) share their
   exemplars' prefix across problems, which is where the rate is high; their columns are titled e.g. GSM8K (8shot).
-- Plots (`mbd.eval.plots`): accuracy vs TPF per benchmark with AUP in the legend, and the
-  fig:train_infer_noise_activity panels C-E from engine traces.
+- Plots (`mbd.eval.plots`, which read these tables): accuracy vs TPF per benchmark with AUP in the legend, and
+  the fig:train_infer_noise_activity panels C-E from engine traces; `mbd.eval.sweep_report` writes both to disk.
 - Method rows (`mbd quickstart`, `mbd reproduce`): one row per method, the AUP of its curve. Paired
   comparisons and the paper's claims judged from the same records: `mbd.eval.claims`.
 
@@ -26,18 +26,14 @@ per-request step latency (decode forwards only, no prefill, no queueing).
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel, Field
 
-from mbd.eval.benchmarks import Problem
 from mbd.eval.metrics import AupPoint, GenerationRecord, aup, aup_d3llm, mean_aup, summarize
-from mbd.eval.sweep import ItemRecord, PrefixCacheRecord, ResultStore, SweepConfig, cells, write_parquet
+from mbd.eval.sweep import ItemRecord, PrefixCacheRecord, SweepConfig
 from mbd.eval.timing import TpsStat
 
 DISPLAY = {"gsm8k": "GSM8K", "math500": "MATH500", "mbpp_plus": "MBPP+", "humaneval_plus": "HumanEval+",
@@ -173,7 +169,7 @@ def _mean(xs: Sequence[float | None]) -> float | None:
     return None if not xs or any(x is None for x in xs) else sum(xs) / len(xs)  # type: ignore[arg-type]
 
 
-def _fmt(x: float | None, spec: str = ".2f") -> str:
+def fmt(x: float | None, spec: str = ".2f") -> str:
     return NONE if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
@@ -226,8 +222,8 @@ def build_report(metrics: Sequence[CellMetrics], layout: Layout | None = None) -
             acc = [c.accuracy if c else None for c in cs]
             tpf = [c.tpf if c else None for c in cs]
             curve = curve_of[(section, r.curve)]
-            main_rows.append([r.label] + [_fmt(x) for pair in zip(acc, tpf) for x in pair]
-                             + [_fmt(_mean(acc)), _fmt(_mean(tpf)), _fmt(curve.mean), _fmt(curve.mean_d3llm)])
+            main_rows.append([r.label] + [fmt(x) for pair in zip(acc, tpf) for x in pair]
+                             + [fmt(_mean(acc)), fmt(_mean(tpf)), fmt(curve.mean), fmt(curve.mean_d3llm)])
             avg_tpf, lat = _mean(tpf), _mean([c.step_latency_ms if c else None for c in cs])
             tps = [c.tps if c else None for c in cs]
             avg_tps = _mean(tps)
@@ -237,11 +233,11 @@ def build_report(metrics: Sequence[CellMetrics], layout: Layout | None = None) -
             else:
                 gains = [_gain(avg_tpf, base[0]), _ratio(lat, base[1]), _gain(avg_tps, base[2])]
             hit = _mean([c.prefix_hit_rate if c else None for c in cs])
-            tps_rows.append([r.label, _fmt(avg_tpf), gains[0], _fmt(lat), gains[1]] + [_fmt(x) for x in tps]
-                            + [_fmt(avg_tps), gains[2], _fmt(None if hit is None else 100 * hit, ".1f")])
+            tps_rows.append([r.label, fmt(avg_tpf), gains[0], fmt(lat), gains[1]] + [fmt(x) for x in tps]
+                            + [fmt(avg_tps), gains[2], fmt(None if hit is None else 100 * hit, ".1f")])
     for c in curves:
-        aup_rows.append([c.section, c.curve, ", ".join(c.configs)] + [_fmt(c.per_benchmark[b]) for b in benches]
-                        + [_fmt(c.mean)] + [_fmt(c.per_benchmark_d3llm[b]) for b in benches] + [_fmt(c.mean_d3llm)])
+        aup_rows.append([c.section, c.curve, ", ".join(c.configs)] + [fmt(c.per_benchmark[b]) for b in benches]
+                        + [fmt(c.mean)] + [fmt(c.per_benchmark_d3llm[b]) for b in benches] + [fmt(c.mean_d3llm)])
     main = markdown_table(["Model"] + [f"{n} {k}" for n in names for k in ("Acc", "TPF")]
                           + ["Avg Acc", "Avg TPF", "AUP", "AUP (d3LLM)"], main_rows)
     aup_table = markdown_table(["Section", "Curve", "Configurations"] + [f"{n} AUP" for n in names] + ["Avg AUP"]
@@ -311,45 +307,6 @@ class SweepSummary(BaseModel):
     wall_s: float
 
 
-def write_sweep_report(cfg: SweepConfig, problems: Mapping[str, Sequence[Problem]], decoded: int = 0,
-                       skipped: int = 0, wall_s: float = 0.0) -> SweepSummary:
-    """Read the sweep's stored records (only the current problem ids of its cells), then write report.md,
-    records.parquet, summary.json and plots/ under the output directory."""
-    store, out = ResultStore(cfg.output_dir), Path(cfg.output_dir)
-    records: list[ItemRecord] = []
-    traces: dict[str, list[list[dict]]] = {}
-    lookups: dict[tuple[str, str, str], list[PrefixCacheRecord]] = {}
-    for cell in cells(cfg):
-        ids = [p.problem_id for p in problems[cell.benchmark]]
-        stored = store.load(cell.model.name, cell.decode.name, cell.benchmark)
-        records += [stored[i] for i in ids if i in stored]
-        current = set(ids)  # the units that decoded any of the current problems
-        lookups[(cell.model.name, cell.decode.name, cell.benchmark)] = [
-            u for u in store.load_prefix_cache(cell.model.name, cell.decode.name, cell.benchmark)
-            if current.intersection(u.problem_ids)]
-        label = row_label(cell.model.name, cell.decode.name, cell.model.table_section)
-        kept = store.load_traces(cell.model.name, cell.decode.name, cell.benchmark)
-        traces.setdefault(label, []).extend(kept[i] for i in ids if i in kept)
-    from mbd.eval.plots import plot_accuracy_vs_tpf, plot_noise_activity  # plots import this module
-
-    report = build_report(aggregate(records, lookups), Layout.from_sweep(cfg))
-    report_md = report.markdown(f"Evaluation sweep `{cfg.name}`")
-    report_path = out / "report.md"
-    report_path.parent.mkdir(parents=True, exist_ok=True)
-    report_path.write_text(report_md)
-    plots = [str(plot_accuracy_vs_tpf(report, out / "plots" / "accuracy_vs_tpf.png"))]
-    if any(traces.values()):
-        plots.append(str(plot_noise_activity(traces, out / "plots" / "noise_activity.png")))
-    summary = SweepSummary(output_dir=str(out), report_path=str(report_path),
-                           parquet_path=str(write_parquet(records, out / "records.parquet")),
-                           table_markdown=report.main_table, report_markdown=report_md, plots=plots,
-                           cells=report.cells, decoded=decoded, skipped=skipped, wall_s=wall_s)
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary.model_dump(), indent=2))
-    os.replace(tmp, out / "summary.json")
-    return summary
-
-
 # ---------------------------------------------------------------------------------------------- methods
 # What `mbd quickstart` and `mbd reproduce` show: one row per method (a model under one decode config whose
 # curve points are other thresholds of that config). Paired comparisons and claims: `mbd.eval.claims`.
@@ -409,5 +366,5 @@ def method_table(rows: Sequence[MethodRow], section: str, benchmark: str) -> str
     body = [[f"***{section}***"] + [""] * (len(head) - 1)]
     for r in rows:
         tps = [f"{t.median:.1f} ({t.low:.1f}-{t.high:.1f})" for t in (r.tps_timed[b] for b in batches)] if timed else []
-        body.append([r.method, _fmt(r.accuracy), _fmt(r.tpf)] + tps + [_fmt(r.aup)])
+        body.append([r.method, fmt(r.accuracy), fmt(r.tpf)] + tps + [fmt(r.aup)])
     return markdown_table(head, body)

@@ -11,8 +11,7 @@ from pathlib import Path
 from tests.unit.test_import_rules import ROOT, module_name
 
 PACKAGES = ("mbd", "actors", "serve_app", "pipelines")
-KNOWN = {("mbd.config", "mbd.hf_keys"), ("mbd.eval.plots", "mbd.eval.report"),
-         ("mbd.model", "mbd.model.checkpoint", "mbd.model.fused_moe", "mbd.model.llada2_moe")}
+KNOWN = {("mbd.model", "mbd.model.checkpoint", "mbd.model.fused_moe", "mbd.model.llada2_moe")}
 
 
 def graph() -> dict[str, set[str]]:

@@ -10,7 +10,8 @@ from mbd.config import ConfigError
 from mbd.eval.metrics import AupPoint, aup, aup_d3llm, mean_aup
 from mbd.eval.plots import plot_accuracy_vs_tpf, plot_noise_activity
 from mbd.eval.report import (CellMetrics, Layout, Row, activity_profile, active_counts, aggregate, build_report, display,
-                             mask_ratios_by_rank, write_sweep_report)
+                             mask_ratios_by_rank)
+from mbd.eval.sweep_report import write_sweep_report
 from mbd.eval.sweep import ItemRecord, PrefixCacheRecord, ResultStore, SweepConfig, load_problems
 from mbd.eval.sweep_work import WorkQueue, plan_units
 
