@@ -27,6 +27,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from actors.ray_private import by_grpc
 from actors.trace import Trace
 from mbd.checkpoint_files import read_model_config
 from mbd.config import DecodeConfig
@@ -64,10 +65,9 @@ async def _first(gen: DeploymentResponseGenerator) -> tuple[StepOutput, float]:
 @serve.ingress()
 class OpenAIIngress:
     def __init__(self, decoder: DeploymentHandle, cfg: ServeConfig):
-        # Serve's replica-to-replica gRPC path (`_by_reference=False`, what Serve's throughput-optimized mode makes
-        # the default) instead of a Ray actor task per request: more requests/s on the tiny model (measured in
-        # docs/performance.md). The handle arrives with the driver's options, so it is set here.
-        self.decoder = decoder.options(stream=True, _by_reference=False)
+        # Serve's replica-to-replica gRPC path (actors/ray_private.py): the handle arrives with the driver's
+        # options, so it is set here.
+        self.decoder = by_grpc(decoder)
         self._decoder = decoder
         self.cfg = cfg
         path = cfg.model.resolved_path()

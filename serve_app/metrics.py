@@ -18,6 +18,7 @@ from typing import Annotated, Any, Iterable, Iterator, Union, get_args, get_orig
 from pydantic import BaseModel
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from actors.ray_private import zero
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 
 LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
@@ -39,12 +40,6 @@ def _named(metric: Any, model: str) -> Any:
 def _inc(counter: Counter, n: float, tags: dict[str, str] | None = None) -> None:
     if n > 0:  # Ray counters refuse inc(0)
         counter.inc(n, tags=tags)
-
-
-def _zero(counter: Counter, tags: dict[str, str] | None = None) -> None:
-    """The series at 0. `inc` refuses 0, so this records through `Metric._record`, the call `inc` makes once it has
-    checked its value (Ray's exporter then shows the series at 0.0; Ray 2.60)."""
-    counter._record(0, tags=tags)
 
 
 def _paths(tp: Any, path: str) -> Iterator[str]:
@@ -114,12 +109,12 @@ class IngressMetrics:
         """Every counter at 0: the plain ones, `http_requests` per endpoint with status 200 (what the dashboard's
         `model` variable lists models from) and `requests_refused` as status 400 naming no field."""
         for c in (self.prompt_tokens, self.generation_tokens):
-            _zero(c)
+            zero(c)
         for e in endpoints:
-            _zero(self.requests, {"endpoint": e, "status": "200"})
-        _zero(self.refused, {"status": "400", "field": "none"})
+            zero(self.requests, {"endpoint": e, "status": "200"})
+        zero(self.refused, {"status": "400", "field": "none"})
         for reason in ABORT_REASONS:
-            _zero(self.aborted, {"reason": reason})
+            zero(self.aborted, {"reason": reason})
 
     def abort(self, reason: str, n: int = 1) -> None:
         _inc(self.aborted, n, {"reason": reason})
@@ -188,7 +183,7 @@ class DecoderMetrics:
         for name in self.GAUGES:
             self._set(name, 0.0)
         for c in (self.preemptions, self.prefix_queries, self.prefix_hits, self.restarts, self.quarantined):
-            _zero(c)
+            zero(c)
         threading.Thread(target=self._keep, name="mbd-metrics-gauges", daemon=True).start()
 
     def _set(self, gauge: str, value: float) -> None:

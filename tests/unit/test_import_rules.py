@@ -9,6 +9,7 @@ body counts too):
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,13 @@ def test_the_sandboxed_childs_files_import_only_the_standard_library():
         source = (ROOT / "mbd" / "eval" / name).read_text()
         outside = {m for _, m, _ in imports(source) if m.split(".")[0] not in sys.stdlib_module_names} - allowed
         assert outside == set(), f"{name} imports {outside}"
+
+
+def test_rays_private_api_is_reached_from_one_module():
+    """Ray's private names (its `_private` package, a metric's `_record`, a handle's `_by_reference` option) appear
+    only in actors/ray_private.py, which says why each is needed and how a Ray upgrade that moves it is caught."""
+    private = re.compile(r"ray\._private|(?<!self)\._record\(|_by_reference")  # our own `self._record` is ours
+    found = [f"{path.relative_to(ROOT)}:{i}" for pkg in ("mbd", "actors", "serve_app", "pipelines")
+             for path in (ROOT / pkg).rglob("*.py") if path != ROOT / "actors" / "ray_private.py"
+             for i, line in enumerate(path.read_text().splitlines(), 1) if private.search(line)]
+    assert found == []
