@@ -49,7 +49,7 @@ def expert_path(x: torch.Tensor) -> Path:
 @functools.cache
 def kernels():
     """The Triton kernels, imported on first use (Triton is absent from CPU-only installs)."""
-    from mbd.model import moe_kernels
+    import mbd.model.moe_kernels as moe_kernels
 
     return moe_kernels
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mbd.config import ModelConfig
-from mbd.model import fused_moe
+import mbd.model.fused_moe as fused_moe
 from mbd.model.base import CausalLMBase
 from mbd.model.layers import RMSNorm, SwiGLU, apply_rope
 from mbd.model.tp import SINGLE, ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelHead
