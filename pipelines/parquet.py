@@ -3,9 +3,7 @@
 Ray 2.60's default (DataSourceV2) lists the files through a pool of footer-reading actors (up to 32, each a worker
 process) that it starts again at every execution of the dataset, and every training epoch is one execution of the
 streaming split. The pipelines read a few small files per run (`mbd expand`'s layout rows), so the pool only adds
-process starts: measured on the quickstart (2 cores, one run each way), the training step that starts an epoch took
-9.5 s with V2 and 5.5 s with V1, the one that starts the second pass 2.9 s and 0.6 s; a bare `read_parquet` plus
-`count` cost the cluster ~4 s more of CPU with V2 (docs/performance.md).
+process starts, at the step that starts each training pass (docs/performance.md has the measurement).
 """
 
 from __future__ import annotations

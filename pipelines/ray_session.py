@@ -98,8 +98,8 @@ def environment(env: dict[str, str]) -> Iterator[None]:
 def serving_env() -> dict[str, str]:
     """The environment of a cluster started here: Ray Serve's high-throughput mode (`RAY_SERVE_ENABLE_HA_PROXY`,
     Ray's "Enable High Throughput on Ray Serve" guide), HAProxy instead of Ray's Python HTTP proxy, forwarding to
-    ingress replicas that serve HTTP themselves. On the tiny model it took HTTP throughput at 32 clients from 0.53
-    to 0.62 of the engine's (docs/performance.md). The ports that mode would fix machine-wide get free ones, so
+    ingress replicas that serve HTTP themselves, for more HTTP throughput per CPU (docs/performance.md measures it;
+    docs/serving.md says what it costs a client that goes away). The ports that mode would fix machine-wide get free ones, so
     that clusters on one machine never collide; an ingress replica stopping drains for 2 s (Ray's default, 30 s,
     waits for load balancers outside the cluster, which a local cluster has none of). A proxy gets 30 s to report
     ready, not Ray's 5 s: on a loaded 2-core node HAProxy's first start took longer, the controller killed the proxy

@@ -11,7 +11,7 @@ Claims (paper section), each judged by a stated test on the same held-out proble
 interval wholly on the claim's side of its threshold is REPRODUCED, wholly on the other side NOT REPRODUCED,
 straddling it INCONCLUSIVE (the data cannot tell at this n). Claims (a)-(c) are judged at the operating points
 on eval.claim_problems (10,000) held-out problems, the AUP claims on the curves' eval.problems (1,000):
-  (a) MBD TPF >= 1.78x SingleBD at accuracy >= SingleBD - 1 pp: CI of the accuracy difference above -1 pp
+  (a) MBD TPF at least 1.78 times SingleBD's at accuracy >= SingleBD - 1 pp: CI of the accuracy difference above -1 pp
       (non-inferiority)                                                            (tab:main_results, tab:tps)
   (b) training-free MultiBD raises TPF but loses accuracy: paired CI of the loss above 0 (exact McNemar beside)
   (c) MultiTF recovers >= half of that loss: CI of Acc(MBD) - Acc(training-free) above half the loss

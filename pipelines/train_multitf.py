@@ -115,7 +115,7 @@ def parquet_batches(cfg: TrainConfig, mcfg: ModelConfig, device: torch.device, f
         drawn = 0
         fn = RowCollate(mcfg, cfg.attention, device, epoch)
         # `mbd expand` writes a sequence's |Lambda| layouts next to each other: without a shuffle buffer a
-        # micro-batch would hold the layouts of one or two sequences (measured: MBD-tiny 72.8% -> 80.1% with it)
+        # micro-batch would hold the layouts of one or two sequences (what it costs MBD-tiny: docs/reproduce.md)
         for batch in shard.iter_torch_batches(batch_size=cfg.deepspeed.micro_batch_size, collate_fn=fn,
                                               drop_last=True, local_shuffle_buffer_size=SHUFFLE_BUFFER_ROWS,
                                               local_shuffle_seed=cfg.seed + epoch):

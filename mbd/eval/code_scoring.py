@@ -16,10 +16,10 @@ in-process), cached in memory and as JSON under `~/.cache/mbd/evalplus` unless d
 EvalPlus's not-None tasks, as EvalPlus stores them.
 Time limits: EvalPlus's max(DEFAULT_MIN_TIME_LIMIT, DEFAULT_GT_TIME_LIMIT_FACTOR * reference time) per input, on
 CPU time rather than wall time so that a loaded machine (2 shared cores in CI) does not fail correct programs; the
-task's CPU budget is min(max_task_s, sum of limits), and a wall deadline of 3x that catches programs that sleep.
+task's CPU budget is min(max_task_s, sum of limits), and a wall deadline of three times that catches programs that sleep.
 All inputs of a task run in ONE sandboxed process, stopped at the first failure: an error or timeout at once, a
 wrong value once EvalPlus has judged it (a phase's outputs so far are re-judged from the phase start whenever
-their count reaches a power of two: EvalPlus's per-phase state stays exact for under 3x the judging work).
+their count reaches a power of two: EvalPlus's per-phase state stays exact for under three times the judging work).
 Outputs too large to ship (more than MAX_SHIPPED_ITEMS elements; only Mbpp/255, a task without a special oracle,
 in the pinned data) are compared inside the sandbox against a fresh run of the canonical solution with `==`.
 """

@@ -129,8 +129,8 @@ class DualStreamIndex:
         """FlexAttention BlockMask of `mask_mod` (only the small index tensors are captured).
 
         Use compile=True at training lengths: eager create_block_mask evaluates mask_mod on the full grid
-        through vmap and is no cheaper than `dense_mask` (benchmarks/multitf_masks.py, CPU, 2L = 8192:
-        eager 0.9x the dense time at 1.7x its peak memory; compiled 9.5x faster with ~0 extra memory).
+        through vmap and is no cheaper than `dense_mask` in time and costs more memory; compiled it is much faster
+        (benchmarks/multitf_masks.py measures both; docs/performance.md).
         """
         from torch.nn.attention.flex_attention import create_block_mask
 
