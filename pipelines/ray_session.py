@@ -11,7 +11,7 @@ still runs is ended by pid (Ray's DashboardAgent and RuntimeEnvAgent were seen t
 and progress bars. Ray's driver-side output goes to `<log_dir>/ray.log`, whose path is printed: the loggers of Ray
 core, Data, Train and Serve (standard logging: each Ray library attaches its own console handler to its logger when
 imported, Ray Serve's does not propagate, and `ray.init` configures them again, so they are routed once before and
-once after it) and the cluster's messages to the driver (`actors/ray_private.py`). Worker, actor and Serve
+once after it) and the cluster's messages to the driver (`pipelines/ray_private.py`). Worker, actor and Serve
 controller/proxy/replica output stays in Ray's session directory (`log_to_driver=False`).
 """
 
@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import psutil
 
 from pipelines.process_tree import descendants, end_processes
-from actors.ray_private import route_cluster_messages
+from pipelines.ray_private import route_cluster_messages
 
 RAY_LOG = "ray.log"
 LIBRARIES = ("ray.data", "ray.train", "ray.serve")  # each sets up its logger's handlers on import

@@ -27,7 +27,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from actors.ray_private import by_grpc
+from pipelines.ray_private import by_grpc
 from actors.trace import Trace
 from mbd.checkpoint_files import read_model_config
 from mbd.config import DecodeConfig
@@ -65,7 +65,7 @@ async def _first(gen: DeploymentResponseGenerator) -> tuple[StepOutput, float]:
 @serve.ingress()
 class OpenAIIngress:
     def __init__(self, decoder: DeploymentHandle, cfg: ServeConfig):
-        # Serve's replica-to-replica gRPC path (actors/ray_private.py): the handle arrives with the driver's
+        # Serve's replica-to-replica gRPC path (pipelines/ray_private.py): the handle arrives with the driver's
         # options, so it is set here.
         self.decoder = by_grpc(decoder)
         self._decoder = decoder
@@ -138,11 +138,7 @@ class OpenAIIngress:
         self.convert.check_fields(req)
         prompts, fields = await r.prompts()
         params, constraint = self.convert.engine_request(req, prompts, fields)
-        try:
-            choices, texts = await self._run(r.rid, req, prompts, params, constraint, deadline)
-        except asyncio.CancelledError:  # the client went away while its request waited for its first tokens
-            self.metrics.abort("client_disconnect", len(prompts) * req.n)
-            raise
+        choices, texts = await self._run(r.rid, req, prompts, params, constraint, deadline)
         buf = req.buffer_size or self.cfg.decode.buffer_size
         if req.stream:
             return sse.response(sse.events(req, choices, prompts, self.sync, buf, r.chunk, r.tail,
@@ -203,6 +199,7 @@ class OpenAIIngress:
             for t in tasks:
                 if t.done() and not t.cancelled() and t.exception() is None:
                     t.result()[0].cancel()
+            self.metrics.abort("client_disconnect", len(tasks))
             raise
         failed = next((f for f in opened if isinstance(f, BaseException)), None)
         if failed is not None:

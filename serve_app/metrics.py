@@ -18,7 +18,7 @@ from typing import Annotated, Any, Iterable, Iterator, Union, get_args, get_orig
 from pydantic import BaseModel
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from actors.ray_private import zero
+from pipelines.ray_private import zero
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 
 LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]

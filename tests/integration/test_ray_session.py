@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from actors.ray_private import HOOK, HOOK_PARAMS
+from pipelines.ray_private import HOOK, HOOK_PARAMS
 from pipelines.ray_session import RAY_LOG, ray_session
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ def test_ray_output_goes_to_the_log_file_and_is_restored(ray_cluster, tmp_path, 
 
 
 def test_ray_private_hook_is_where_the_adapter_expects_it():
-    """actors/ray_private.py's driver hook: a Ray upgrade that renames it, changes its parameters or
+    """pipelines/ray_private.py's driver hook: a Ray upgrade that renames it, changes its parameters or
     stops printing the cluster's messages through it fails here, loudly."""
     from ray._private import worker
 

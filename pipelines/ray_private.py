@@ -31,7 +31,7 @@ def _worker_module() -> Any:
     params = list(inspect.signature(getattr(worker, HOOK, lambda: None)).parameters)
     if params != HOOK_PARAMS:
         raise RuntimeError(f"Ray {ray.__version__} changed ray._private.worker.{HOOK} (parameters {params}, "
-                           f"expected {HOOK_PARAMS}): update actors/ray_private.py")
+                           f"expected {HOOK_PARAMS}): update pipelines/ray_private.py")
     return worker
 
 
