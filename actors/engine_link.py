@@ -10,10 +10,14 @@ import subprocess
 import threading
 from collections.abc import Callable
 
-from actors.launch import Launched
+import ray
+
+from actors.launch import Launched, ranks_ended
 from actors.messages import Failed, Running, StatsReply, Stepped, ToEngine
 from actors.streams import Exited
+from actors.supervision_policy import died_by_itself, rank_lost
 
+RANK_GRACE_S = 2.0  # how long an exit without a `Failed` waits to learn whether a tensor-parallel rank ended
 STATS_TIMEOUT_S = 10.0  # how long `stats()` waits for the engine process (at most a step)
 
 
@@ -37,6 +41,15 @@ class EngineLink:
             self._conn.send(op)
         except OSError:
             pass
+
+    def close(self, timeout_s: float) -> None:
+        """Wait for the process to end (it was told to stop), killing it after timeout_s; then for the reader."""
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.reader.join(timeout=5)
 
     def stats(self, ask: Callable[[Callable[[ToEngine], None], int], None]) -> dict[str, float]:
         """The engine's stats as of its last step ({} if it does not answer in time, or ended): `ask(send, id)`
@@ -86,9 +99,10 @@ class EngineLink:
         self._on_exit(Exited(self.proc, self._conn, why, in_step, failed))
 
 
-def reap(ex: Exited, killed: set[int]) -> int:
-    """The exit code of the process that `ex` reports ended; one whose connection broke but that lives on cannot
-    serve: it is killed, and noted in `killed` (its end is no evidence against its step)."""
+def reap(ex: Exited, killed: set[int], workers: list[tuple[object, ray.ObjectRef]]) -> tuple[int, bool]:
+    """The exit code of the process that `ex` reports ended, and whether it died by itself (evidence against its
+    step: actors/supervision_policy.py). One whose connection broke but that lives on cannot serve: it is killed,
+    and noted in `killed` (its end is no evidence)."""
     try:
         code = ex.proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
@@ -96,4 +110,5 @@ def reap(ex: Exited, killed: set[int]) -> int:
         ex.proc.kill()
         code = ex.proc.wait()
     ex.conn.close()
-    return code
+    lost = rank_lost(ex.failed, lambda: ranks_ended(workers, RANK_GRACE_S))
+    return code, died_by_itself(code, ex.proc.pid in killed, lost, raised=ex.failed is not None)

@@ -7,10 +7,13 @@ engine process can start)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -18,10 +21,12 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.messages import FD_ENV, EngineDead, Failed, Ready, Start
-from actors.supervisor import exit_status
+from actors.supervision_policy import ExitLog, exit_status
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.model_spec import ModelSpec
 from mbd.decoding.validate import EngineLimits
+
+log = logging.getLogger("ray.serve")
 
 
 @dataclass
@@ -61,6 +66,27 @@ def launch(spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, timeout_
         proc.wait()
     raise EngineDead(f"engine failed to start ({exit_status(proc.returncode)}): "
                      f"{first.message if isinstance(first, Failed) else first!r}")
+
+
+def relaunch(spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig, timeout_s: float, exits: ExitLog,
+             stopping: threading.Event, workers: list[tuple[object, ray.ObjectRef]], why: str) -> Launched | str | None:
+    """A new engine process (and TP ranks, the old ones ended first) after the back-off the counted exits call for,
+    a failed start counting as an exit; the reason to give up once they exceed the limit; None if `stopping` is set
+    while it waits."""
+    while True:
+        now = time.monotonic()
+        if exits.gives_up(now):
+            return f"the engine process exited {exits.count(now)} times within {exits.restarts.window_s:.0f} s " \
+                   f"(last: {why})"
+        if stopping.wait(exits.restarts.delay(exits.count(now))):
+            return None
+        end_workers(workers)
+        try:
+            return launch(spec, decode, engine, timeout_s)
+        except Exception as e:  # noqa: BLE001 - EngineDead, or the start itself failed: a counted exit
+            why = str(e)
+            exits.add(time.monotonic())
+            log.error("engine process restart failed: %s", why)
 
 
 def _start_engine_process(start: Start) -> tuple[subprocess.Popen, Connection]:

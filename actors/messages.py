@@ -3,9 +3,10 @@ engine process and that rank 0 broadcasts to the other tensor-parallel ranks, wh
 and the errors a request can end with at the ingress.
 
 A request can be followed by reading: the ingress turns the HTTP body into prompt ids, a `DecodeConfig`
-(`max_tokens` -> `params.max_new_tokens`) and a `ConstraintSpec` (serve_app/convert.py) and calls the replica's
-`generate`; the host sends `Add` to the engine process (actors/engine_process.py), whose `Lockstep`
-(actors/tp_worker.py) hands it to `Engine.add_request`; each step comes back as `Stepped` with one
+(`max_tokens` -> `params.max_new_tokens`) and a `ConstraintSpec`, checks them once against the limits the replica
+reports, keeping the checked `RequestParams` (serve_app/convert.py), and calls the replica's `generate`; the host
+sends `Add` to the engine process (actors/engine_process.py), whose `Lockstep` (actors/tp_worker.py) hands it to
+`Engine.admit`, which checks nothing again; each step comes back as `Stepped` with one
 `StepOutput` per request (`finish_reason` "length" once `max_new_tokens` are generated), which the host hands
 to the request's handler. Imports nothing heavy (no torch): the ingress reads these names too.
 """
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from mbd.decoding.outputs import StepOutput
     from mbd.decoding.resume import Resume
     from mbd.decoding.model_spec import ModelSpec
-    from mbd.decoding.validate import EngineLimits, RequestError
+    from mbd.decoding.validate import EngineLimits, RequestError, RequestParams
 
 
 FD_ENV = "MBD_ENGINE_FD"  # the engine process's end of its socket pair, a file descriptor it inherits
@@ -63,12 +64,13 @@ class Start:
 
 @dataclass(frozen=True, slots=True)
 class Add:
-    """Admit a request (`Engine.add_request`); sent again to a new engine process after a restart, then with
-    `resumed` once its client has tokens (the new engine goes on from them: `mbd.decoding.resume`)."""
+    """Admit a checked request (`Engine.admit`: the ingress checked it against this replica's limits); sent again,
+    as it is, to a new engine process after a restart, then with `resumed` once its client has tokens (the new
+    engine goes on from them: `mbd.decoding.resume`)."""
 
     request_id: str
     prompt_ids: list[int]
-    params: DecodeConfig
+    params: RequestParams
     constraint: ConstraintSpec | None = None
     resumed: Resume | None = None
 

@@ -1,10 +1,8 @@
-"""A decoder replica's supervisor: every state and transition of a replica is in this file. `ReplicaSupervisor`
-owns the engine process (actors/engine_link.py, a link per process), the streams and the state machine; the host
-(actors/engine_host.py) adds the handlers' side. Policy: actors/supervisor.py; streams, events: actors/streams.py.
-
-Two thread contexts touch supervision state (`state`, trials, exit log, the link): the supervisor thread drains
-one inbox of typed events (`_outbox`, in order) and alone changes state and sends to the engine process; other
-threads (handlers, the link's reader, health check, shutdown) post events, and share `_streams` under `_lock`.
+"""A decoder replica's supervisor: every state and transition of a replica is here. It owns the engine process
+(actors/engine_link.py), the streams and the state machine; the replica host (actors/engine_host.py) holds one.
+Policy: actors/supervision_policy.py; streams and events: actors/streams.py. The supervisor thread drains one inbox
+of typed events in order, and alone changes state and sends to the engine process; other threads (handlers, the
+link's reader, health check, shutdown) post events, and share `streams` with it under `_lock`.
 
 | state                          | event                                         | transition    | next state(s)       |
 |--------------------------------|-----------------------------------------------|---------------|---------------------|
@@ -32,16 +30,15 @@ import time
 from collections.abc import Callable
 
 from actors.engine_link import EngineLink, reap
-from actors.launch import Launched, end_workers, launch, ranks_ended
+from actors.launch import Launched, end_workers, launch, relaunch
 from actors.messages import Abort, AskStats, EngineDead, RequestQuarantined, Stepped, Stop
-from actors.streams import Added, Counts, Event, Exited, Left, RankLost, Shutdown, StatsAsked, Stream, \
-    TrialOver, hand_over, readmit, take_step
-from actors.supervisor import EngineRestarts, ExitLog, Trials, died_by_itself, exit_status, judge, rank_lost
+from actors.streams import Added, Counts, Event, Exited, Left, RankLost, Shutdown, StatsAsked, Stream, TrialOver, \
+    hand_over, readmit, take_step
+from actors.supervision_policy import EngineRestarts, ExitLog, Trials, exit_status, judge
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.model_spec import ModelSpec
 
 log = logging.getLogger("ray.serve")
-RANK_GRACE_S = 2.0  # how long an exit without a `Failed` waits to learn whether a tensor-parallel rank ended
 
 
 class State(enum.StrEnum):
@@ -66,46 +63,69 @@ class ReplicaSupervisor:
     def __init__(self, spec: ModelSpec, decode: DecodeConfig, engine: EngineConfig,
                  restarts: EngineRestarts = EngineRestarts(), on_step: Callable[[dict[str, float]], None] | None = None,
                  startup_timeout_s: float = 600.0, on_count: Callable[[str, int], None] | None = None):
-        """on_step: called from the reader thread with the engine's stats after steps; on_count: called as the
-        supervisor restarts the engine process ("restarts", 1) or convicts a request ("quarantined", 1). A first
-        engine process that does not start raises EngineDead (the replica fails to start; Serve retries it)."""
-        self.spec, self.decode, self.engine, self.restarts = spec, decode, engine, restarts
-        self.startup_timeout_s, self._on_step = startup_timeout_s, on_step
+        """on_step: the engine's stats after steps (reader thread); on_count: ("restarts" | "quarantined", 1) as
+        they happen. A first engine process that does not start raises EngineDead (Serve retries the replica)."""
+        self.spec, self.decode, self.engine, self.startup_timeout_s = spec, decode, engine, startup_timeout_s
+        self._on_step = on_step
         self._lock = threading.Lock()  # the streams, and `state` against handlers registering
-        self._streams: dict[str, Stream] = {}  # in arrival order: waiting requests are sent in it
-        self._outbox: queue.SimpleQueue[Event] = queue.SimpleQueue()  # the supervisor's inbox: others post to it
-        self._stopping = threading.Event()
-        self._killed: set[int] = set()  # engine processes the host killed itself (not evidence against a step)
-        self.trials, self.exits = Trials(), ExitLog(restarts)
-        self.state, self._error = State.SERVING, None
-        self.counts = Counts(on_count=on_count)
+        self.streams: dict[str, Stream] = {}  # in arrival order: waiting requests are sent in it
+        self._inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.stopping, self._killed = threading.Event(), set[int]()  # killed: by us (no evidence against a step)
+        self.trials, self.exits, self.counts = Trials(), ExitLog(restarts), Counts(on_count=on_count)
+        self.state, self.error = State.SERVING, None
         self._attach(launch(spec, decode, engine, startup_timeout_s))
-        self._supervisor = threading.Thread(target=self._supervise, name="mbd-engine-supervisor", daemon=True)
-        self._supervisor.start()
+        self.thread = threading.Thread(target=self._supervise, name="mbd-engine-supervisor", daemon=True)
+        self.thread.start()
+
+    # ---- the handlers' side (any thread): streams under `_lock`, all else posted to the inbox ----
+
+    def register(self, s: Stream) -> None:
+        """Take a request; EngineDead once the replica gave up or stops (under the lock `_fail_all` takes)."""
+        rid = s.add.request_id
+        with self._lock:
+            if self.state in (State.FAILED, State.STOPPED):
+                raise EngineDead(f"engine loop is not running: {self.error}")
+            if rid in self.streams:
+                raise ValueError(f"request id {rid} is already live")
+            self.streams[rid] = s
+        self.post(Added(rid))
+
+    def leave(self, s: Stream) -> None:
+        """A request whose handler left before it finished (client gone): dropped, and aborted on the engine."""
+        with self._lock:  # the supervisor sets `on_engine` under it too
+            if self.streams.pop(s.add.request_id, None) is not s:
+                return
+            self.counts.aborted += 1
+        self.post(Left(s.add.request_id, False, time.monotonic(), abort=s.on_engine))
+
+    def post(self, ev: Event) -> None:
+        self._inbox.put(ev)
+
+    def stop(self) -> None:
+        """Shutdown: the supervisor stops the engine process (the host waits for it to end)."""
+        self.stopping.set()
+        self.post(Shutdown())
 
     def _attach(self, new: Launched) -> None:
-        self._link, self._workers = EngineLink(new, self._stepped, self._exited, self._on_step), new.workers
-
-    # ---- the reader thread: hands outputs over, posts what left and the exit ----
+        self.link, self.workers = EngineLink(new, self._stepped, self._exited, self._on_step), new.workers
 
     def _stepped(self, msg: Stepped) -> None:
         with self._lock:
-            items, left = take_step(self._streams, self.counts, msg)
-        now = time.monotonic()
+            items, left = take_step(self.streams, self.counts, msg)
         for rid, served in left:
-            self._outbox.put(Left(rid, served, now))
+            self.post(Left(rid, served, time.monotonic()))
         hand_over(items)
 
     def _exited(self, ex: Exited) -> None:
-        if not self._stopping.is_set():
-            self._outbox.put(ex)
+        if not self.stopping.is_set():
+            self.post(ex)
 
     # ---- the supervisor thread: the only one that changes state ----
 
     def _supervise(self) -> None:
         """The supervisor's loop; an unexpected exception in it gives up rather than leaving requests waiting."""
         try:
-            while self._handle(self._outbox.get()):
+            while self._handle(self._inbox.get()):
                 pass
         except Exception as e:  # noqa: BLE001 - a bug here: nobody else would restart the engine
             log.exception("the engine supervisor failed")
@@ -114,19 +134,15 @@ class ReplicaSupervisor:
     def _handle(self, ev: Event) -> bool:
         """One event; False once the supervisor is done (given up or stopped)."""
         if isinstance(ev, Exited):
-            self._on_exit(ev)
-            return self._restart(ev.why)
+            return self._on_exit(ev) and self._restart(ev.why)
         if isinstance(ev, Shutdown):
-            self._stop()
-            return False
+            return self._stop()
         if isinstance(ev, TrialOver) and self.state == State.TRYING and self.trials.current is None:
             self._next_trial()  # else stale: a restart started another trial since it was posted
         elif isinstance(ev, Added):
             self._add(ev.rid)
         elif isinstance(ev, Left):
-            self._left(ev.rid, ev.served, ev.at)
-            if ev.abort:
-                self._link.send(Abort(ev.rid))
+            self._left(ev)
         elif isinstance(ev, RankLost):
             self._kill(ev.pid)
         elif isinstance(ev, StatsAsked):
@@ -139,19 +155,16 @@ class ReplicaSupervisor:
         self.state = to
 
     def _on_exit(self, ex: Exited) -> None:
-        """-> RESTARTING: judge the exit (supervisor.py) and convict a request that crashed the engine alone on
-        its trial; every other request stays, for the next engine process."""
+        """-> RESTARTING: judge the exit (supervision_policy.py), convicting a request that crashed it alone. True."""
         with self._lock:
             self._move(State.RESTARTING, "_on_exit")
-        code = reap(ex, self._killed)
-        lost = rank_lost(ex.failed, lambda: ranks_ended(self._workers, RANK_GRACE_S))
-        by_itself = died_by_itself(code, ex.proc.pid in self._killed, lost, raised=ex.failed is not None)
+        code, by_itself = reap(ex, self._killed, self.workers)
         now = time.monotonic()
         with self._lock:
-            step = [rid for rid in ex.in_step if rid in self._streams]
+            step = [rid for rid in ex.in_step if rid in self.streams]
             culprit = judge(self.trials, self.exits, step, by_itself, now)
-            guilty = self._streams.pop(culprit) if culprit else None
-            for s in self._streams.values():
+            guilty = self.streams.pop(culprit) if culprit else None
+            for s in self.streams.values():
                 s.on_engine = False
         if guilty is not None:
             self.counts.add("quarantined", 1)
@@ -159,28 +172,15 @@ class ReplicaSupervisor:
         log.error("engine process %d exited (%s; %s; %s): %s; %d suspect group(s) to try; %d request(s) kept",
                   ex.proc.pid, exit_status(code), ex.why, "by itself in a step" if by_itself else "not by itself",
                   f"request {culprit} convicted" if culprit else "nobody convicted", len(self.trials.queue),
-                  len(self._streams))
+                  len(self.streams))
+        return True
 
     def _restart(self, why: str) -> bool:
-        """RESTARTING: start a new engine process after the back-off the counted exits call for; give up once
-        they exceed `restarts.limit`. False once the supervisor is done."""
-        while True:
-            now = time.monotonic()
-            if self.exits.gives_up(now):
-                self._give_up(f"the engine process exited {self.exits.count(now)} times within "
-                              f"{self.restarts.window_s:.0f} s (last: {why})")
-                return False
-            if self._stopping.wait(self.restarts.delay(self.exits.count(now))):
-                self._stop()
-                return False
-            end_workers(self._workers)
-            try:
-                new = launch(self.spec, self.decode, self.engine, self.startup_timeout_s)
-                break
-            except Exception as e:  # noqa: BLE001 - EngineDead, or the start itself failed: a counted exit
-                why = str(e)
-                self.exits.add(time.monotonic())
-                log.error("engine process restart failed: %s", why)
+        """RESTARTING: a new engine process (launch.py `relaunch`), or give up. False once the supervisor is done."""
+        new = relaunch(self.spec, self.decode, self.engine, self.startup_timeout_s, self.exits, self.stopping,
+                       self.workers, why)
+        if not isinstance(new, Launched):
+            return self._give_up(new) if new else self._stop()
         self._attach(new)  # a shutdown meanwhile: its event, next in the inbox, stops the new process
         self.counts.add("restarts", 1)
         self._next_trial()
@@ -190,61 +190,61 @@ class ReplicaSupervisor:
         """-> TRYING with the next suspect group alone, or SERVING with every request that is not on the engine
         process yet (oldest first). Requests whose output already ended finish here."""
         with self._lock:
-            while (group := self.trials.start()) is not None and not group & self._streams.keys():
+            while (group := self.trials.start()) is not None and not group & self.streams.keys():
                 pass
-            todo = [s for rid, s in self._streams.items() if rid in group] if group else \
-                [s for s in self._streams.values() if not s.on_engine]
+            todo = [s for rid, s in self.streams.items() if rid in group] if group else \
+                [s for s in self.streams.values() if not s.on_engine]
             self._move(State.TRYING if group else State.SERVING, "_next_trial")
             self.counts.trials += bool(group)
-            ops, ended = readmit(self._streams, todo, self._link.limits.max_length)
-            self.counts.readmitted += len(ops)
-            self.counts.resumed += sum(op.resumed is not None for _, op in ops)
+            ops, ended = readmit(self.streams, todo, self.counts)
         for s, _ in ended:
-            self._left(s.add.request_id, True, time.monotonic())
+            self._left(Left(s.add.request_id, True, time.monotonic()))
         hand_over(ended)
         for _, op in ops:
-            self._link.send(op)
+            self.link.send(op)
         if group:
             log.warning("trying %d suspect request(s) alone: %s", len(group), sorted(group))
 
     def _add(self, rid: str) -> None:
         """SERVING sends a request as it is added; else it waits for `_next_trial`."""
         with self._lock:
-            s = self._streams.get(rid) if self.state == State.SERVING else None
+            s = self.streams.get(rid) if self.state == State.SERVING else None
             if s is None or s.on_engine:  # it left already, or went with a restart
                 return
             s.on_engine = True
-        self._link.send(s.add)
+        self.link.send(s.add)
 
-    def _left(self, rid: str, served: bool, at: float) -> None:
-        """The trials forget a request that left; one that ends a trial lets the next group go."""
-        if served:
-            self.exits.served_at = max(self.exits.served_at, at)
-        self.trials.forget(rid)
-        if self.trials.cleared(rid):
-            self._outbox.put(TrialOver())
+    def _left(self, ev: Left) -> None:
+        """Trials forget a request that left (aborted on the engine if its client left); the last of a trial ends it."""
+        if ev.abort:
+            self.link.send(Abort(ev.rid))
+        if ev.served:
+            self.exits.served_at = max(self.exits.served_at, ev.at)
+        self.trials.forget(ev.rid)
+        if self.trials.cleared(ev.rid):
+            self.post(TrialOver())
 
     def _kill(self, pid: int) -> None:
         """A dead tensor-parallel rank takes its engine process down, so that every rank is restarted."""
-        if pid == self._link.proc.pid and self.state in (State.SERVING, State.TRYING):
+        if pid == self.link.proc.pid and self.state in (State.SERVING, State.TRYING):
             log.error("a tensor-parallel rank exited; stopping its engine process to restart every rank")
             self._killed.add(pid)
-            self._link.proc.kill()
+            self.link.proc.kill()
 
-    def _give_up(self, reason: str) -> None:
-        """-> FAILED: every request gets EngineDead (a retryable 503); the health check fails."""
+    def _give_up(self, reason: str) -> bool:
+        """-> FAILED: every request gets EngineDead (a retryable 503); the health check fails. False."""
         log.error("%s; giving up: this replica now fails its health check so that Serve replaces it", reason)
-        end_workers(self._workers)
-        self._fail_all(EngineDead(f"engine process gave up: {reason}"), State.FAILED, "_give_up")
+        end_workers(self.workers)
+        return self._fail_all(EngineDead(f"engine process gave up: {reason}"), State.FAILED, "_give_up")
 
-    def _stop(self) -> None:
-        """-> STOPPED: the replica is shutting down (its engine process is told to stop)."""
-        self._link.send(Stop())
-        self._fail_all(EngineDead("the replica is shutting down"), State.STOPPED, "_stop")
+    def _stop(self) -> bool:
+        """-> STOPPED: the replica is shutting down (its engine process is told to stop). False."""
+        self.link.send(Stop())
+        return self._fail_all(EngineDead("the replica is shutting down"), State.STOPPED, "_stop")
 
-    def _fail_all(self, e: BaseException, state: State, by: str) -> None:
+    def _fail_all(self, e: BaseException, state: State, by: str) -> bool:
         with self._lock:
             self._move(state, by)
-            self._error = e
-            streams, self._streams = list(self._streams.values()), {}
+            self.error, streams, self.streams = e, list(self.streams.values()), {}
         hand_over([(s, e) for s in streams])
+        return False

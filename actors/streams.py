@@ -16,7 +16,7 @@ from typing import Callable
 from actors.messages import Add, AskStats, Failed, RequestFailed, Stepped
 from mbd.decoding.outputs import StepOutput
 from mbd.decoding.resume import Checkpoint, Resume
-from mbd.decoding.validate import RequestError, RequestParams
+from mbd.decoding.validate import RequestError
 
 
 @dataclass(eq=False)
@@ -67,17 +67,16 @@ class Stream:
                 raise RequestFailed(out.error)
             yield out
 
-    def readmission(self, max_length: int) -> Add | StepOutput:
+    def readmission(self) -> Add | StepOutput:
         """How a new engine process takes the request on: its Add (resumed from the client's tokens once it has
-        some), or, when its output already ended (a stop token, or the length limit with `max_length` the
-        engine's, reached while its last blocks were being stored: no checkpoint after them), the final output
-        the host gives it itself."""
+        some), or, when its output already ended (a stop token, or its checked length limit, reached while its
+        last blocks were being stored: no checkpoint after them), the final output the host gives it itself."""
         if not self.emitted:
             return self.add
         if self.checkpoint is not None:
             return dataclasses.replace(self.add, resumed=Resume(list(self.emitted), self.checkpoint))
         o, prompt_len = self.last, len(self.add.prompt_ids)
-        limit = RequestParams.resolve(self.add.params, prompt_len, max_length).gen_end - prompt_len
+        limit = self.add.params.gen_end - prompt_len
         # a stop token as the very last token the limit allows reads as "length" here (the engine says "eos")
         end = StepOutput(self.add.request_id, [], True, "length" if len(self.emitted) >= limit else "eos", o.nfe,
                          len(self.emitted), [] if o.new_logprobs is not None else None,
@@ -166,18 +165,20 @@ def take_step(streams: dict[str, Stream], counts: Counts, msg: Stepped
     return items, left
 
 
-def readmit(streams: dict[str, Stream], todo: list[Stream], max_length: int
+def readmit(streams: dict[str, Stream], todo: list[Stream], counts: Counts
             ) -> tuple[list[tuple[Stream, Add]], list[tuple[Stream, StepOutput]]]:
-    """How a new engine process takes `todo` on (each marked as on it): the Adds to send, and the streams whose
-    output already ended, each with its final output (`Stream.readmission`); those leave `streams`."""
+    """How a new engine process takes `todo` on (each marked as on it, and counted): the Adds to send, and the
+    streams whose output already ended, each with its final output (`Stream.readmission`); those leave `streams`."""
     ops: list[tuple[Stream, Add]] = []
     ended: list[tuple[Stream, StepOutput]] = []
     for s in todo:
         s.on_engine = True
-        got = s.readmission(max_length)
+        got = s.readmission()
         (ops if isinstance(got, Add) else ended).append((s, got))
     for s, _ in ended:
         del streams[s.add.request_id]
+    counts.readmitted += len(ops)
+    counts.resumed += sum(op.resumed is not None for _, op in ops)
     return ops, ended
 
 

@@ -63,15 +63,14 @@ class Lockstep:
         return box[0]
 
     def apply(self, ops: list[LockstepOp]) -> list[Refusal]:
-        """Apply ops in order; return the admissions the engine's request check refused, each with the error
-        naming the field. Every rank refuses the same ones (same ops, same state), so a refusal never breaks the
-        lockstep."""
+        """Apply ops in order; return the admissions the engine refused (a constraint that does not compile), each
+        with the error naming the field. Every rank refuses the same ones (same ops, same state), so a refusal
+        never breaks the lockstep."""
         refused = []
         for op in ops:
             if isinstance(op, Add):
                 try:
-                    self.engine.add_request(op.prompt_ids, op.params, request_id=op.request_id,
-                                            constraint=op.constraint, resumed=op.resumed)
+                    self.engine.admit(op.prompt_ids, op.params, op.request_id, op.constraint, op.resumed)
                     self.live.add(op.request_id)
                 except ValueError as e:  # RequestError, or ConstraintError (which names its field too)
                     refused.append(Refusal(op.request_id, e if isinstance(e, RequestError) else

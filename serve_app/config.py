@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from actors.supervisor import EngineRestarts
+from actors.supervision_policy import EngineRestarts
 from mbd.config import ConfigError, DecodeConfig, EngineConfig, StrictModel, load_decode, load_yaml
 from mbd.decoding.model_spec import ModelSpec
 

@@ -2,11 +2,12 @@
 
 This is where a request enters, so it is checked here, once, in HTTP names. What a field may hold (values a
 diffusion LM cannot honour, this deployment's bounds) is the request model's, stated by the OpenAPI schema
-(serve_app/protocol.py, serve_app/routes.py); here come the checks a schema cannot state (`x-server-checks`):
-which model the request names, rules across fields, then the engine's own rules (`mbd.decoding.validate`,
-against the limits a decoder replica reports). A structured-output constraint is parsed here into its `ConstraintSpec`
-(naming the field it came from) and compiled by the engine that serves it, once; what the engine cannot honour
-comes back as a 400 naming that field before any byte of the answer is sent.
+(serve_app/protocol.py, serve_app/routes.py); here come the checks a schema cannot state (`x-server-checks`): which
+model the request names, rules across fields, then the engine's own rules (`mbd.decoding.validate`, once per prompt,
+against the limits a decoder replica reports). What passes is a checked `RequestParams` per prompt, which the engine
+admits, and a restarted engine re-admits, without checking again. A structured-output constraint is parsed here into
+its `ConstraintSpec` (naming the field it came from) and compiled by the engine that serves it, once; what the
+engine cannot honour comes back as a 400 naming that field before any byte of the answer is sent.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pydantic import ValidationError
 
 from mbd.config import DecodeConfig
 from mbd.decoding.constraint_spec import ConstraintError, ConstraintSpec
-from mbd.decoding.validate import EngineLimits, RequestError, validate_prompt, validate_request
+from mbd.decoding.validate import EngineLimits, RequestError, RequestParams, validate_request
 from mbd.tokenizer import Tokenizer, TokenizerError
 from serve_app.config import ServeConfig
 from serve_app.protocol import APIError, ChatCompletionRequest, SamplingFields, field_path
@@ -42,31 +43,25 @@ class RequestConverter:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
 
     def engine_request(self, req: SamplingFields, prompts: list[list[int]], fields: list[str]
-                       ) -> tuple[DecodeConfig, ConstraintSpec | None]:
+                       ) -> tuple[list[RequestParams], ConstraintSpec | None]:
         """The engine's side of a request with its encoded prompts (in the HTTP fields `fields`): the choices'
         limit, the decoding parameters, the structured-output constraint and the engine's whole request check
-        per prompt. Raises APIError naming the field."""
+        per prompt, whose checked parameters it returns. Raises APIError naming the field."""
         self.check_choices(req, len(prompts))
         params = self.params(req, max(len(p) for p in prompts))
         constraint = self.constraint(req)
-        for ids, field in zip(prompts, fields):
-            self.check_request(ids, params, field, req)
-        return params, constraint
+        return [self.check_request(ids, params, field, req) for ids, field in zip(prompts, fields)], constraint
 
     # ---- prompts (these run in the tokenizer pool, off the event loop) ----
 
-    def encode_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
-        """One token list per prompt (a string, a token-id list, or a list of either)."""
+    def encode_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
+                       ) -> tuple[list[list[int]], list[str]]:
+        """One token list per prompt (a string, a token-id list, or a list of either), with its HTTP field."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompts, fields = [prompt], ["prompt"]
         else:
             prompts, fields = list(prompt), [f"prompt[{i}]" for i in range(len(prompt))]
-        out = []
-        for p, field in zip(prompts, fields):
-            ids = self.tok.encode(p) if isinstance(p, str) else list(p)
-            self.check_ids(ids, field)
-            out.append(ids)
-        return out
+        return [self.tok.encode(p) if isinstance(p, str) else list(p) for p in prompts], fields
 
     @staticmethod
     def messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -76,19 +71,9 @@ class RequestConverter:
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         try:
-            ids = self.tok.encode_chat(messages)
+            return self.tok.encode_chat(messages)
         except TokenizerError as e:
             raise APIError(400, str(e), "messages") from e
-        self.check_ids(ids, "messages")
-        return ids
-
-    def check_ids(self, ids: list[int], field: str) -> None:
-        """The engine's prompt check (ids, the context), in this field's name."""
-        assert self.limits is not None, "the ingress sets the engine's limits before converting requests"
-        try:
-            validate_prompt(ids, self.limits, {"prompt_ids": field})
-        except RequestError as e:
-            raise bad_request(e) from e
 
     # ---- structured output ----
 
@@ -120,13 +105,14 @@ class RequestConverter:
 
     # ---- decoding parameters ----
 
-    def check_request(self, ids: list[int], params: DecodeConfig, prompt_field: str, req: SamplingFields) -> None:
-        """The engine's whole request check (the Block Buffer, room to generate, the KV pool) in HTTP names; a
-        max_tokens that does not fit the context is refused, not cut."""
-        assert self.limits is not None
+    def check_request(self, ids: list[int], params: DecodeConfig, prompt_field: str, req: SamplingFields
+                      ) -> RequestParams:
+        """The engine's whole request check (the prompt, the Block Buffer, room to generate, the KV pool) in HTTP
+        names; a max_tokens that does not fit the context is refused, not cut."""
+        assert self.limits is not None, "the ingress sets the engine's limits before converting requests"
         names = {"prompt_ids": prompt_field, "max_new_tokens": req.token_limit()[1]}
         try:
-            validate_request(ids, params, self.cfg.decode, self.limits, names, whole=True)
+            return validate_request(ids, params, self.cfg.decode, self.limits, names, whole=True)[1]
         except RequestError as e:
             raise bad_request(e) from e
 
@@ -139,7 +125,8 @@ class RequestConverter:
         """Per-request DecodeConfig: the deployment's, overridden by the request within the deployment's bounds."""
         d, lim = self.cfg.decode, self.cfg.limits
         assert self.limits is not None
-        cap = min(d.max_new_tokens, self.limits.max_length - n_prompt)  # the default: what fits
+        # the default: what fits (at least 1, so that a prompt that fills the context is refused by its own check)
+        cap = max(min(d.max_new_tokens, self.limits.max_length - n_prompt), 1)
         limit = req.token_limit()[0]
         if req.max_tokens is not None and limit != req.max_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens differ: send one of them", "max_tokens")

@@ -9,7 +9,7 @@ import os
 from ray import serve
 
 from actors.engine_host import EngineHost
-from actors.supervisor import EngineRestarts
+from actors.supervision_policy import EngineRestarts
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding.model_spec import ModelSpec
 from serve_app.metrics import DecoderMetrics
@@ -34,5 +34,5 @@ class Decoder(EngineHost):
         return super().stats() | {"pid": os.getpid()}
 
     def __del__(self) -> None:
-        if hasattr(self, "_link"):
+        if hasattr(self, "supervisor"):
             self.shutdown()

@@ -15,6 +15,7 @@ so nothing a replica holds is module-global.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -30,10 +31,9 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from pipelines.ray_private import by_grpc
 from actors.trace import Trace
 from mbd.checkpoint_files import read_model_config
-from mbd.config import DecodeConfig
 from mbd.decoding.constraint_spec import ConstraintSpec
 from mbd.decoding.outputs import StepOutput
-from mbd.decoding.validate import EngineLimits
+from mbd.decoding.validate import EngineLimits, RequestParams
 from mbd.detokenize import TextStream
 from mbd.tokenizer import Tokenizer
 from serve_app import sse
@@ -42,7 +42,7 @@ from serve_app.config import ServeConfig
 from serve_app.convert import RequestConverter
 from serve_app.errors import engine_failure, unavailable
 from serve_app.metrics import IngressMetrics
-from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, \
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, \
     SamplingFields, now
 from serve_app.render import INLINE_COST, ChatRender, CompletionRender
 
@@ -141,13 +141,12 @@ class OpenAIIngress:
         choices, texts = await self._run(r.rid, req, prompts, params, constraint, deadline)
         buf = req.buffer_size or self.cfg.decode.buffer_size
         if req.stream:
-            return sse.response(sse.events(req, choices, prompts, self.sync, buf, r.chunk, r.tail,
-                                           lambda: self._record(choices, prompts, t0), self._failure,
-                                           r.heads(choices)), on_close=lambda: self._gone(choices))
+            return sse.EventStream(r, choices, prompts, self.sync, buf,
+                                   on_close=lambda completed: self._closed(completed, choices, prompts, t0))
         self._record(choices, prompts, t0)
         return r.whole(choices, texts, usage(prompts, choices), mbd_stats(choices, buf))
 
-    async def _run(self, rid: str, req: SamplingFields, prompts: list[list[int]], params: DecodeConfig,
+    async def _run(self, rid: str, req: SamplingFields, prompts: list[list[int]], params: list[RequestParams],
                    constraint: ConstraintSpec | None, deadline: float | None) -> tuple[list[Choice], list[str]]:
         """The one place a request is started again: its choices started (`_start`) and, unless it streams,
         collected (`_collect`); when a replica is gone before the client got anything (a streaming request's
@@ -160,13 +159,19 @@ class OpenAIIngress:
                 choices = await self._start(rid if not attempt else f"{rid}~{attempt}", req, prompts, params,
                                             constraint, deadline)
                 return (choices, []) if req.stream else (choices, await self._collect(choices))
-            except Exception as e:  # noqa: BLE001 - mapped once, by `_failure`
+            except Exception as e:  # noqa: BLE001 - mapped once, by `errors.engine_failure`
                 if attempt >= self.cfg.decoder.replica_retries or not _replica_gone(e):
                     log.warning("request %s failed: %r", rid, e)
-                    raise self._failure(e) from e
+                    raise engine_failure(e, self.cfg.decoder.retry_after_s) from e
                 log.warning("replica died before request %s was answered; starting it again: %r", rid, e)
             attempt += 1
             await asyncio.sleep(self.cfg.decoder.retry_after_s)  # Serve notices the death, or starts a replica
+
+    def _closed(self, completed: bool, choices: list[Choice], prompts: list[list[int]], t0: float) -> None:
+        """A streamed response ended: recorded if every choice was sent, else its open choices are cancelled."""
+        if completed:
+            self._record(choices, prompts, t0)
+        self._gone(choices)
 
     def _gone(self, choices: list[Choice]) -> None:
         """The client went away: cancel every choice still open (its pieces may never have started, so nothing
@@ -177,10 +182,7 @@ class OpenAIIngress:
             c.cancel()
         self.metrics.abort("client_disconnect", len(left))
 
-    def _failure(self, e: BaseException) -> APIError:
-        return engine_failure(e, self.cfg.decoder.retry_after_s)
-
-    async def _start(self, rid: str, req: SamplingFields, prompts: list[list[int]], params: DecodeConfig,
+    async def _start(self, rid: str, req: SamplingFields, prompts: list[list[int]], params: list[RequestParams],
                      constraint: ConstraintSpec | None, deadline: float | None) -> list[Choice]:
         """Start n engine requests per prompt (choice index i = prompt * n + k, seed = seed + k, engine request id
         rid.i) and wait for the first block of each: it decides the HTTP status (200, 400, 500 or 503). A choice
@@ -190,8 +192,8 @@ class OpenAIIngress:
         per_block = req.stream or bool(req.stop_list()) or deadline is not None
         ids = [f"{rid}.{i}" for i in range(len(prompts) * req.n)]
         self.trace.mark(rid, "call")
-        tasks = [asyncio.ensure_future(self._open(prompts[i // req.n], params.model_copy(
-            update={"seed": params.seed + i % req.n}), per_block, ids[i], constraint, deadline))
+        tasks = [asyncio.ensure_future(self._open(prompts[i // req.n], dataclasses.replace(
+            params[i // req.n], seed=params[i // req.n].seed + i % req.n), per_block, ids[i], constraint, deadline))
             for i in range(len(ids))]
         try:
             opened = await asyncio.gather(*tasks, return_exceptions=True)
@@ -212,7 +214,7 @@ class OpenAIIngress:
                        self.trace, deadline)
                 for i, (g, (first, t_first)) in enumerate(opened)]  # type: ignore[misc]
 
-    async def _open(self, prompt: list[int], params: DecodeConfig, per_block: bool, eid: str,
+    async def _open(self, prompt: list[int], params: RequestParams, per_block: bool, eid: str,
                     constraint: ConstraintSpec | None = None, deadline: float | None = None
                     ) -> tuple[DeploymentResponseGenerator, tuple[StepOutput, float]]:
         """One engine request, its first output and when that arrived (at the deadline: a finished "timeout"

@@ -80,8 +80,7 @@ class CompletionRender(Render):
         self.offsets: dict[int, int] = {}  # per choice: characters streamed so far (text_offset)
 
     async def prompts(self) -> tuple[list[list[int]], list[str]]:
-        prompts = await self.ing.sync(_size(self.req.prompt), self.ing.convert.encode_prompts, self.req.prompt)
-        return prompts, ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+        return await self.ing.sync(_size(self.req.prompt), self.ing.convert.encode_prompts, self.req.prompt)
 
     def _logprobs(self, p: Piece, offset: int) -> CompletionLogprobs | None:
         if p.logprobs is None:

@@ -95,13 +95,18 @@ class Engine:
 
     def check_request(self, prompt_ids: Sequence[int], params: Params = None, constraint: ConstraintSpec | None = None
                       ) -> tuple[list[int], RequestParams]:
-        """The one request check (`mbd.decoding.validate`) against this engine's limits; the CLI, the eval sweeps
-        and every served engine go through it. Raises RequestError naming the field; a constraint that cannot be
-        honoured raises ConstraintError (a ValueError naming its field). A constraint is compiled here, once,
-        with the engine's one GrammarVocab (which caches it for the request's matcher)."""
+        """The one request check (`mbd.decoding.validate`) against this engine's limits: what `add_request` and
+        `generate` do before they admit a request, and what the HTTP ingress does against the limits its replica
+        reports. Raises RequestError naming the field; a constraint that cannot be honoured raises ConstraintError
+        (a ValueError naming its field)."""
         ids, p = validate_request(prompt_ids, params, self.cfg, self.limits)
-        validate_constraint(constraint, self.guide().vocab if constraint is not None else None)
+        self.compile_constraint(constraint)
         return ids, p
+
+    def compile_constraint(self, constraint: ConstraintSpec | None) -> None:
+        """A constraint compiled once, with the engine's one GrammarVocab (which caches it for the request's
+        matcher); ConstraintError (or RequestError without a tokenizer) naming its field."""
+        validate_constraint(constraint, self.guide().vocab if constraint is not None and self.tokenizer else None)
 
     def guide(self) -> Guide:
         """Structured output's side of the policy (mbd.decoding.guided), over this model's vocabulary."""
@@ -114,13 +119,21 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: Params = None, request_id: str | None = None,
                     constraint: ConstraintSpec | None = None, resumed: resume.Resume | None = None) -> str:
-        """Queue a request; `constraint`: structured output (what it may commit); `resumed`: go on from where
-        another engine's stream of it stands (`mbd.decoding.resume`)."""
+        """Check a request (`check_request`) and queue it; `constraint`: structured output (what it may commit);
+        `resumed`: go on from where another engine's stream of it stands (`mbd.decoding.resume`)."""
         return self._add(prompt_ids, params, request_id, constraint, resumed).id
 
     def _add(self, prompt_ids: Sequence[int], params: Params, request_id: str | None,
              constraint: ConstraintSpec | None = None, resumed: resume.Resume | None = None) -> Request:
-        ids, p = self.check_request(prompt_ids, params, constraint)
+        ids, p = validate_request(prompt_ids, params, self.cfg, self.limits)
+        return self.admit(ids, p, request_id, constraint, resumed)
+
+    def admit(self, ids: list[int], p: RequestParams, request_id: str | None = None,
+              constraint: ConstraintSpec | None = None, resumed: resume.Resume | None = None) -> Request:
+        """Queue a CHECKED request: `validate_request`'s prompt ids and parameters against this engine's limits
+        (a served engine's come from the ingress, which checked them against the limits its replica reported;
+        a re-admitted one carries the same). Nothing is checked again; a constraint is compiled here, once."""
+        self.compile_constraint(constraint)
         req = Request(request_id or uuid.uuid4().hex, ids, p, self.block,
                       semi_max_masked=self.policy.semi_max_masked(p.tau_semi))
         if constraint is not None:

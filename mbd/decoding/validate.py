@@ -3,10 +3,11 @@ limits. Every rule a request must pass is written here once: the prompt (ids the
 the context), the parameters (the Block Buffer the engine compiled, its block and strategy, its max_nfe), room to
 generate, a worst case that fits the KV pool, and a grammar that compiles against the model's vocabulary.
 
-A request is checked where it enters (the HTTP ingress, against the limits a decoder replica reports, in its field
-names) and where it is served (`Engine.check_request`: the CLI, the eval sweeps, every served engine), nothing in
-between. Errors are `RequestError`s naming the offending field; `names` maps the engine's field names to the
-caller's (the HTTP API says `prompt` and `max_tokens` where the engine says `prompt_ids` and `max_new_tokens`).
+A request is checked once, where it enters: the HTTP ingress, against the limits a decoder replica reports, in its
+field names, or the engine itself for the CLI and the eval sweeps (`Engine.check_request`, `add_request`). What
+passes is a `RequestParams`, which `Engine.admit` queues without checking it again. Errors are `RequestError`s
+naming the offending field; `names` maps the engine's field names to the caller's (the HTTP API says `prompt` and
+`max_tokens` where the engine says `prompt_ids` and `max_new_tokens`).
 """
 
 from __future__ import annotations

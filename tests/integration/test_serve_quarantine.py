@@ -11,7 +11,7 @@ import pytest
 
 from actors.engine_host import EngineHost
 from actors.messages import EngineDead, RequestQuarantined
-from actors.supervisor import EngineRestarts
+from actors.supervision_policy import EngineRestarts
 from mbd.config import DecodeConfig
 from mbd.decoding import Engine, EngineConfig
 from mbd.decoding.model_spec import ModelSpec

@@ -11,8 +11,9 @@ import torch
 
 from actors.engine_host import EngineHost
 from actors.messages import EngineDead
-from actors.supervisor import EngineRestarts
+from actors.supervision_policy import EngineRestarts
 from mbd.decoding.model_spec import ModelSpec
+from mbd.decoding.validate import RequestParams, validate_request
 from mbd.config import ConfigError, DecodeConfig, ModelConfig
 from mbd.decoding import Engine, EngineConfig
 from mbd.model import build_model, load_checkpoint, save_checkpoint
@@ -90,10 +91,16 @@ def test_field_path(loc, want):
 # ---- EngineHost in-process (TP=1: no Ray needed) ----
 
 
+def checked(host: EngineHost, ids: list[int], params: DecodeConfig) -> RequestParams:
+    """What the ingress hands the replica: the request checked against the limits the replica reports."""
+    return validate_request(ids, params, DECODE, host.limits())[1]
+
+
 async def _collect(host: EngineHost, ids: list[int], params: DecodeConfig, n: int | None = None,
                    per_block: bool = True, constraint=None) -> list:
     out = []
-    async with aclosing(host.generate(ids, params, per_block=per_block, constraint=constraint)) as gen:
+    async with aclosing(host.generate(ids, checked(host, ids, params), per_block=per_block,
+                                      constraint=constraint)) as gen:
         async for d in gen:
             out.append(d)
             if n is not None and len(out) == n:
@@ -126,20 +133,20 @@ def test_engine_host_matches_engine_and_aborts_on_early_exit(ckpt, tok):
         host.shutdown()
 
 
-def test_engine_host_refuses_bad_request_without_dying(ckpt, tok):
-    """The host forwards a request unchanged; the engine's check refuses it, naming the field, and the request
-    fails alone: the loop keeps serving."""
+def test_engine_host_refuses_what_only_the_engine_checks_without_dying(ckpt, tok):
+    """A checked request reaches the engine unchanged; what only the engine can check (a constraint against the
+    model's vocabulary) is refused naming its field, and the request fails alone: the loop keeps serving."""
+    from mbd.decoding.constraints import ConstraintSpec
+
     host = EngineHost(ModelSpec(path=str(ckpt)), DECODE, EngineConfig(max_batch_rows=2))
     try:
-        with pytest.raises(ValueError, match="buffer_size") as e:
-            asyncio.run(_collect(host, tok.encode("1+1="), DECODE.model_copy(update={"buffer_size": 3})))
-        assert e.value.field == "buffer_size"
-        with pytest.raises(ValueError, match="mask"):
-            asyncio.run(_collect(host, [special_token_ids()["mask_token_id"]], DECODE))
-        with pytest.raises(ValueError, match="refused"):
-            asyncio.run(_collect(host, [], DECODE))
+        with pytest.raises(ValueError, match="refused by the engine.*cannot be compiled") as e:
+            asyncio.run(_collect(host, tok.encode("1+1="), DECODE,
+                                 constraint=ConstraintSpec("grammar", "start: /[0-9/", "guided_grammar")))
+        assert e.value.field == "guided_grammar"
         host.check()
         assert asyncio.run(_collect(host, tok.encode("1+1="), DECODE.model_copy(update={"max_new_tokens": 4})))
+        assert host.stats()["streams"] == 0
     finally:
         host.shutdown()
 
@@ -187,7 +194,7 @@ def test_a_killed_engine_process_is_restarted_and_every_stream_resumed(ckpt, tok
     first_pid = host._proc.pid
 
     async def scenario() -> tuple[list, list, list]:
-        async with aclosing(host.generate(ids_a, long)) as a:
+        async with aclosing(host.generate(ids_a, checked(host, ids_a, long))) as a:
             got_a = [await a.__anext__()]  # A streams
             b = asyncio.create_task(_collect(host, ids_b, long, per_block=False))  # decodes beside A, sends nothing
             c = asyncio.create_task(_collect(host, ids_c, short))  # waits for a row

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-INGRESS_SIDE = ["serve_app.ingress", "serve_app.config", "actors.messages", "actors.supervisor"]
+INGRESS_SIDE = ["serve_app.ingress", "serve_app.config", "actors.messages", "actors.supervision_policy"]
 REPLICA_HOST = ["serve_app.app", "serve_app.decoder_replica", "actors.launch"]
 HEAVY = {"ingress": ("torch", "mbd.decoding.engine", "actors.engine_host", "actors.engine_process"),
          "replica": ("torch", "mbd.decoding.engine", "actors.engine_process", "actors.tp_worker")}

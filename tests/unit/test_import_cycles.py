@@ -5,7 +5,6 @@ test finds none, so that a new cycle fails here, naming its modules."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from tests.unit.test_import_rules import ROOT, module_name
 

@@ -12,6 +12,7 @@ from ray.exceptions import RayActorError
 
 from actors.trace import Trace
 from mbd.config import DecodeConfig
+from mbd.decoding.validate import RequestParams
 from mbd.decoding.outputs import StepOutput
 from serve_app.ingress import OpenAIIngress
 from serve_app.protocol import APIError, CompletionRequest
@@ -76,5 +77,6 @@ def test_a_request_is_started_at_most_retries_plus_one_times(stream, alive, monk
     decoder = CountingDecoder(alive)
     req = CompletionRequest(model="m", prompt=[1, 2], stream=stream)
     with pytest.raises(APIError):
-        asyncio.run(ingress(decoder)._run("r", req, [[1, 2]], DecodeConfig(), None, None))
+        checked = [RequestParams.resolve(DecodeConfig(), 2, 64)]
+        asyncio.run(ingress(decoder)._run("r", req, [[1, 2]], checked, None, None))
     assert decoder.starts == ["r.0", "r~1.0", "r~2.0"]  # R + 1 starts, each under a fresh id

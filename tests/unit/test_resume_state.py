@@ -11,12 +11,14 @@ from actors.streams import Stream
 from mbd.config import DecodeConfig
 from mbd.decoding.outputs import StepOutput
 from mbd.decoding.resume import Checkpoint
+from mbd.decoding.validate import RequestParams
 
 CKPT = Checkpoint(committed=8, tokens=[1, 2], n_res=1, n_tc=0, nfe=3, cached_tokens=0)
 
 
 def stream(per_block: bool) -> Stream:
-    return Stream(asyncio.new_event_loop(), asyncio.Queue(), Add("r", [5, 6, 7], DecodeConfig()), per_block)
+    add = Add("r", [5, 6, 7], RequestParams.resolve(DecodeConfig(), 3, 200))
+    return Stream(asyncio.new_event_loop(), asyncio.Queue(), add, per_block)
 
 
 def test_the_handed_over_output_carries_no_checkpoint_and_the_stream_keeps_it():
@@ -34,7 +36,7 @@ def test_the_handed_over_output_carries_no_checkpoint_and_the_stream_keeps_it():
 def test_a_new_engine_process_resumes_from_the_kept_checkpoint():
     s = stream(True)
     s.note(StepOutput("r", [9, 10], False, None, 3, 2, checkpoint=CKPT))
-    add = s.readmission(max_length=200)
+    add = s.readmission()
     assert isinstance(add, Add) and add.resumed is not None
     assert add.resumed.checkpoint == CKPT and add.resumed.output == [9, 10]
     s.loop.close()

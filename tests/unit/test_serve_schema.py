@@ -1,7 +1,7 @@
 """The fast variant of tests/integration/test_serve_schema_fuzz.py, without Ray: the same schema-driven fuzzer
 against the real HTTP app (routes, error handling, request models) in process, whose ingress makes the real
-ingress's checks (`RequestConverter`) and then asks the real engine's check (`Engine.check_request`, which the
-decoder runs) instead of decoding: 200 when the engine would admit the request."""
+ingress's checks (`RequestConverter`) and then the real engine's admission check (`Engine.compile_constraint`,
+all a decoder checks of a checked request) instead of decoding: 200 when the engine would admit the request."""
 
 import pytest
 
@@ -24,9 +24,7 @@ class AdmittingIngress:
 
     async def completions(self, req):
         self.convert.check_fields(req)
-        prompts = self.convert.encode_prompts(req.prompt)
-        return self._admit(req, prompts, ["prompt"] if len(prompts) == 1 else
-                           [f"prompt[{i}]" for i in range(len(prompts))])
+        return self._admit(req, *self.convert.encode_prompts(req.prompt))
 
     async def chat(self, req):
         self.convert.check_fields(req)
@@ -34,11 +32,11 @@ class AdmittingIngress:
 
     def _admit(self, req, prompts: list[list[int]], fields: list[str]) -> dict:
         params, constraint = self.convert.engine_request(req, prompts, fields)
-        for ids in prompts:
-            try:
-                self.engine.check_request(ids, params, constraint)
-            except ConstraintError as e:
-                raise APIError(400, str(e), e.field) from e
+        assert len(params) == len(prompts)
+        try:
+            self.engine.compile_constraint(constraint)  # what the engine checks when it admits a checked request
+        except ConstraintError as e:
+            raise APIError(400, str(e), e.field) from e
         return {"admitted": len(prompts) * req.n}
 
 

@@ -1,5 +1,5 @@
-"""The supervision policy of a decoder replica (actors/supervisor.py): which engine exits are evidence against the
-requests of the step, how trials find the request that crashes the engine (and never convict one that was not
+"""The supervision policy of a decoder replica (actors/supervision_policy.py): which engine exits are evidence against
+the requests of the step, how trials find the request that crashes the engine (and never convict one that was not
 alone in its step), what counts toward giving up, and the restart back-off."""
 
 import asyncio
@@ -12,15 +12,16 @@ import pytest
 import torch.distributed as dist
 
 from actors.engine_host import EngineHost
+from actors.replica_supervisor import ReplicaSupervisor, State
 from actors.engine_process import collective_failure
 from actors.messages import Abort, Add, EngineDead, Failed, Refusal, Running, Stepped
 from actors.streams import Counts, Stream, TrialOver
-from actors.supervisor import EngineRestarts, ExitLog, Trials, died_by_itself, exit_status, rank_lost
+from actors.supervision_policy import EngineRestarts, ExitLog, Trials, died_by_itself, exit_status, rank_lost
 from actors.tp_worker import Lockstep
 from mbd.config import DecodeConfig, EngineConfig
 from mbd.decoding import Engine
 from mbd.decoding.outputs import StepOutput
-from mbd.decoding.validate import RequestError
+from mbd.decoding.validate import RequestError, RequestParams
 from mbd.model import build_model
 from serve_app.config import ServeConfig
 from serve_app.convert import RequestConverter
@@ -126,9 +127,9 @@ def test_messages_cross_a_process_by_name():
                                                            "decode": decode.model_dump()}), tok=None)
     convert.limits = engine.limits
     req = CompletionRequest.model_validate({"model": "m", "prompt": [5, 6, 7], "max_tokens": 7, "ignore_eos": True})
-    add = Add("r1", req.prompt, convert.params(req, len(req.prompt)))
+    add = Add("r1", req.prompt, convert.check_request(req.prompt, convert.params(req, 3), "prompt", req))
     crossed = pickle.loads(pickle.dumps(add))
-    assert crossed == add and crossed.params.max_new_tokens == 7
+    assert crossed == add and crossed.params.gen_end == 3 + 7
     lock, outs = Lockstep(engine, 1, None), []
     assert lock.apply([crossed]) == []
     while engine.has_unfinished():
@@ -155,12 +156,14 @@ def test_a_lost_rank_is_read_from_rank_0s_own_report():
 
 
 def _bare_host(waiting: list[str]) -> tuple[EngineHost, asyncio.AbstractEventLoop]:
-    """A host without engine process or threads (what its supervisor's transitions decide)."""
-    host, loop = EngineHost.__new__(EngineHost), asyncio.new_event_loop()
-    host._lock, host._outbox, host.state, host._error = threading.Lock(), queue.SimpleQueue(), "serving", None
-    host.counts, host._on_count, host._workers = Counts(), None, []
-    host._streams = {rid: Stream(loop, asyncio.Queue(), Add(rid, [1], DecodeConfig()), per_block=False)
-                     for rid in waiting}
+    """A host whose supervisor has no engine process or threads (what its transitions decide)."""
+    host, sup = EngineHost.__new__(EngineHost), ReplicaSupervisor.__new__(ReplicaSupervisor)
+    loop = asyncio.new_event_loop()
+    sup._lock, sup._inbox, sup.state, sup.error = threading.Lock(), queue.SimpleQueue(), State.SERVING, None
+    sup.counts, sup.workers, sup.stopping = Counts(), [], threading.Event()
+    params = RequestParams.resolve(DecodeConfig(), 1, 64)
+    sup.streams = {rid: Stream(loop, asyncio.Queue(), Add(rid, [1], params), per_block=False) for rid in waiting}
+    host.supervisor = sup
     return host, loop
 
 
@@ -168,10 +171,10 @@ def test_a_supervisor_that_fails_gives_up_and_the_health_check_says_so():
     """An unexpected exception in the supervisor thread fails the host (its requests get EngineDead) instead of
     leaving it "restarting" for ever; a supervisor thread that is gone fails the health check even so."""
     host, loop = _bare_host(["a"])
-    host._stopping = threading.Event()
-    host._reader = host._supervisor = threading.Thread(target=lambda: None)
-    host._reader.start()
-    host._reader.join()
+    sup = host.supervisor
+    sup.thread = threading.Thread(target=lambda: None)
+    sup.thread.start()
+    sup.thread.join()
     try:
         with pytest.raises(EngineDead, match="supervisor thread has stopped"):
             host.check()
@@ -179,10 +182,10 @@ def test_a_supervisor_that_fails_gives_up_and_the_health_check_says_so():
         def broken(item):
             raise KeyError("a bug")
 
-        host._handle = broken
-        host._outbox.put(TrialOver())
-        host._supervise()  # returns: it gave up
-        assert host.state == "failed" and host._streams == {}
+        sup._handle = broken
+        sup.post(TrialOver())
+        sup._supervise()  # returns: it gave up
+        assert sup.state == "failed" and sup.streams == {}
         with pytest.raises(EngineDead, match="the engine supervisor failed: KeyError"):
             host.check()
     finally:
@@ -194,10 +197,11 @@ def test_a_request_whose_output_ended_before_the_crash_finishes_on_the_host(emit
     """No checkpoint after its last tokens (they ended its output: the length limit, or a stop token before it):
     re-admitted, it is not sent to the new engine but finished with the reason the engine would give."""
     decode = DecodeConfig(buffer_size=2, max_length=200, max_new_tokens=7, max_nfe=400, tau_add=0.25)
-    s = Stream(asyncio.new_event_loop(), asyncio.Queue(), Add("r1", [5, 6, 7], decode))
+    add = Add("r1", [5, 6, 7], RequestParams.resolve(decode, 3, 200))
+    s = Stream(asyncio.new_event_loop(), asyncio.Queue(), add)
     s.note(StepOutput("r1", list(range(emitted)), False, None, 3, emitted))
-    end = s.readmission(max_length=200)
+    end = s.readmission()
     assert isinstance(end, StepOutput) and end.finished and end.finish_reason == reason
     assert end.new_token_ids == [] and end.num_generated == emitted and end.nfe == 3
-    assert isinstance(Stream(s.loop, s.queue, s.add).readmission(200), Add)  # nothing emitted: the Add itself
+    assert isinstance(Stream(s.loop, s.queue, s.add).readmission(), Add)  # nothing emitted: the Add itself
     s.loop.close()
