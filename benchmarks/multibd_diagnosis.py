@@ -36,7 +36,6 @@ import torch.nn.functional as F
 
 from mbd.config import DecodeConfig, EngineConfig, resolve_path
 from mbd.decoding.naive import NaiveMultiBD
-from mbd.decoding.policy import Policy
 from mbd.decoding.spec import load_engine_model
 from mbd.multitf.records import load_tokenizer, tokenize_record
 from mbd.tiny.task import TinyProblem, generate
@@ -46,18 +45,27 @@ RULES = ("m2t", "fallback_first", "fallback_semi")
 
 class RecordingNaive(NaiveMultiBD):
     """The naive reference, recording each fill: position -> (rule, slot, own filled, preceding filled, active
-    slots), and each block's preceding-block fill when it was activated."""
+    slots, confidence), each block's preceding-block fill when it was activated, and in `predictions` every
+    masked position of every forward, filled or not, with the same fields and its top-1 token (filled: its
+    rule; not filled: None), so that the confidence of what the decoder did not commit can be scored too."""
 
     def __init__(self, *a: Any, **k: Any):
         super().__init__(*a, **k)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the previous request's records."""
         self.fills: dict[int, dict] = {}
         self.activated: dict[int, int] = {}
+        self.predictions: list[dict] = []
+        self.steps = 0
 
     def update(self, p, logits, tokens, n_tc, first_pos, prompt_len, gen):
         before = tokens[0].tolist()
         out = super().update(p, logits, tokens, n_tc, first_pos, prompt_len, gen)
         after = out[0][0].tolist()
-        conf = torch.softmax(logits[0].float(), -1).max(-1).values.tolist()  # mask logit already -inf (predict)
+        top = torch.softmax(logits[0].float(), -1).max(-1)  # mask logit already -inf (predict)
+        conf, token = top.values.tolist(), top.indices.tolist()
         B, M = self.block, self.mask_id
         blocks = [before[j * B:(j + 1) * B] for j in range(len(before) // B)]
         filled = [B - b.count(M) for b in blocks]
@@ -67,14 +75,19 @@ class RecordingNaive(NaiveMultiBD):
             if b not in self.activated:
                 self.activated[b] = filled[j - 1] if j > 0 else B
         for i, (x, y) in enumerate(zip(before, after)):
-            if x == M and y != M:
-                j = i // B
-                prev_done = j == 0 or j - 1 < n_tc or filled[j - 1] == B
-                rule = "m2t" if conf[i] > p.tau_m2t else ("fallback_first" if prev_done else "fallback_semi")
-                self.fills[first_pos + i] = {"rule": rule, "slot": j, "own_filled": filled[j],
-                                             "prev_filled": filled[j - 1] if j > 0 else B,
-                                             "masks_before": min(sum(B - f for f in filled[:j]), 3),
-                                             "active": len(blocks) - n_tc, "block": first_pos // B + j}
+            if x != M:
+                continue
+            j = i // B
+            prev_done = j == 0 or j - 1 < n_tc or filled[j - 1] == B
+            rule = None if y == M else ("m2t" if conf[i] > p.tau_m2t else
+                                        ("fallback_first" if prev_done else "fallback_semi"))
+            state = {"rule": rule, "slot": j, "own_filled": filled[j], "prev_filled": filled[j - 1] if j > 0 else B,
+                     "masks_before": min(sum(B - f for f in filled[:j]), 3), "active": len(blocks) - n_tc,
+                     "block": first_pos // B + j, "conf": conf[i]}
+            self.predictions.append({**state, "pos": first_pos + i, "token": token[i], "step": self.steps})
+            if rule is not None:
+                self.fills[first_pos + i] = state
+        self.steps += 1
         return out
 
 
@@ -92,6 +105,13 @@ def first_wrong(text: str, valid: set[str], end: str = "\0") -> int | None:
     return None
 
 
+def prompt_ids(record: dict, tok: Any, block: int) -> list[int]:
+    """The prompt tokens of a tiny task record, templated as in training (what the engine decodes from)."""
+    _, ids, prompt_len, _ = tokenize_record(json.dumps({"prompt": record["question"], "response": record["solution"]}),
+                                            tok, block, 10_000)
+    return ids[:prompt_len]
+
+
 def attribute(model_dir: Path, cfg: DecodeConfig, records: list[dict]) -> dict:
     """Attribution of the first wrong token of each record's MultiBD decode, plus base rates over every fill."""
     model, _ = load_engine_model(model_dir, EngineConfig(device="cpu", dtype="float32", threads=1))
@@ -100,10 +120,10 @@ def attribute(model_dir: Path, cfg: DecodeConfig, records: list[dict]) -> dict:
     first: list[dict] = []
     base_rate: Counter = Counter()
     for r in records:
-        _, ids, prompt_len, _ = tokenize_record(json.dumps({"prompt": r["question"], "response": r["solution"]}),
-                                                tok, mcfg.block_size, 10_000)
-        ref.fills, ref.activated = {}, {}
-        res = ref.generate(ids[:prompt_len])
+        prompt = prompt_ids(r, tok, mcfg.block_size)
+        prompt_len = len(prompt)
+        ref.reset()
+        res = ref.generate(prompt)
         text = tok.decode(res.token_ids)
         for f in ref.fills.values():
             base_rate[(f["rule"], f["slot"], f["prev_filled"], f["masks_before"])] += 1

@@ -71,8 +71,8 @@ def train(run: Path, arm: str, base: Path, sets: list[str], seeds: list[int], pr
             train_seed(cfg, out, base.resolve(), s, progress)
 
 
-def decode_one(model: Path, name: str, problems: int, out: Path) -> dict:
-    """Outcome of every problem (kept in `out`, reused when present)."""
+def decode_one(model: Path, name: str, problems: int, out: Path, cfg: DecodeConfig | None = None) -> dict:
+    """Outcome of every problem (kept in `out`, reused when present), decoded at `cfg` (default: `point(name)`)."""
     if out.is_file():
         return json.loads(out.read_text())
     from mbd.config import EngineConfig
@@ -81,13 +81,14 @@ def decode_one(model: Path, name: str, problems: int, out: Path) -> dict:
 
     bench = get_benchmark(DEV_BENCHMARK)
     probs = bench.load(limit=problems)
-    engine = build_engine(model, point(name), EngineConfig(device="cpu", dtype="float32", max_batch_rows=16,
-                                                           threads=1))
+    engine = build_engine(model, cfg or point(name), EngineConfig(device="cpu", dtype="float32", max_batch_rows=16,
+                                                                  threads=1))
     results = engine.generate([p.prompt_text for p in probs])
     rec = {"model": str(model), "point": name, "problems": len(probs),
            "correct": [bench.score(p, r.text).correct for p, r in zip(probs, results)],
            "nfe": [r.nfe for r in results], "generated": [r.num_generated for r in results],
-           "text": [r.text for r in results]}
+           "text": [r.text for r in results], "token_ids": [r.token_ids for r in results],
+           "finish": [r.finish_reason for r in results]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rec))
     print(f"    {model.name} {name}: {100 * sum(rec['correct']) / len(probs):.2f}% TPF "
