@@ -53,6 +53,12 @@ def summary(lat_s: list[float], tokens: int, wall_s: float) -> dict:
             "p50_ms": 1e3 * statistics.median(lat_s), "p99_ms": 1e3 * percentile(lat_s, 0.99)}
 
 
+def heldout_messages(n: int) -> list[list[dict]]:
+    """The first n held-out tinymath problems as chat conversations (one user turn each, as the evaluation sends
+    them zero-shot)."""
+    return [[{"role": "user", "content": r["question"]}] for r in tiny_problems("heldout", n, seed=0)]
+
+
 def random_model(size: str, d: Path) -> Path:
     """A random SDAR of hf_baseline's `size` that speaks the tiny chat tokenizer: head rows outside the tokenizer's
     vocabulary, and those of EOS, end-of-turn and mask, are zero while the rest are tempered up, so a request
@@ -106,15 +112,17 @@ async def run_http(url: str, model: str, messages: list[list[dict]], conc: int, 
         return summary(lat, tokens, time.perf_counter() - t0)
 
 
-async def run_http_stream(url: str, model: str, messages: list[list[dict]], conc: int, max_tokens: int) -> dict:
-    """Closed-loop streaming chat clients (ignore_eos, exactly max_tokens each): TTFT = request start to the
-    first non-empty content chunk; ITL = (latency - TTFT) / (completion tokens - 1), as guidellm defines it."""
-    todo, lat, ttft, itl, tokens = list(messages), [], [], [], 0
+async def run_http_stream(url: str, model: str, messages: list[list[dict]], conc: int, max_tokens: int,
+                          ignore_eos: bool = True) -> dict:
+    """Closed-loop streaming chat clients (ignore_eos: exactly max_tokens each; else each stops at its EOS):
+    TTFT = request start to the first non-empty content chunk; ITL = (latency - TTFT) / (completion tokens - 1),
+    as guidellm defines it; TPF = completion tokens over the forwards the service reported (`mbd.nfe`)."""
+    todo, lat, ttft, itl, tokens, nfe = list(messages), [], [], [], 0, 0
 
     async def client(http: httpx.AsyncClient) -> None:
-        nonlocal tokens
+        nonlocal tokens, nfe
         while todo:
-            body = {"model": model, "messages": todo.pop(), "max_tokens": max_tokens, "ignore_eos": True,
+            body = {"model": model, "messages": todo.pop(), "max_tokens": max_tokens, "ignore_eos": ignore_eos,
                     "stream": True, "stream_options": {"include_usage": True}}
             t, first, n = time.perf_counter(), None, 0
             async with http.stream("POST", url, json=body) as r:
@@ -127,6 +135,8 @@ async def run_http_stream(url: str, model: str, messages: list[list[dict]], conc
                         first = time.perf_counter()
                     if ev.get("usage"):
                         n = ev["usage"]["completion_tokens"]
+                    if ev.get("mbd"):
+                        nfe += ev["mbd"]["nfe"]
             end = time.perf_counter()
             lat.append(end - t)
             ttft.append((first or end) - t)
@@ -139,7 +149,8 @@ async def run_http_stream(url: str, model: str, messages: list[list[dict]], conc
         t0 = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(conc)))
         out = summary(lat, tokens, time.perf_counter() - t0)
-    return out | {"ttft_p50_ms": 1e3 * statistics.median(ttft), "itl_p50_ms": 1e3 * statistics.median(itl)}
+    return out | {"ttft_p50_ms": 1e3 * statistics.median(ttft), "itl_p50_ms": 1e3 * statistics.median(itl),
+                  "tpf": tokens / nfe if nfe else 0.0}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -222,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = served_config(args)
     path = cfg.model.resolved_path()
     n_max = max(max(16, c * args.per_client) for c in args.concurrency)
-    questions = [r["question"] for r in tiny_problems("heldout", n_max, seed=0)]
-    messages = [[{"role": "user", "content": q}] for q in questions]
+    messages = heldout_messages(n_max)
     model, mcfg = load_checkpoint(path)
     tok = Tokenizer.from_dir(path, mcfg)
     engine = Engine(model, tok, cfg.decode, EngineConfig(max_batch_rows=cfg.engine.max_batch_rows))

@@ -66,7 +66,9 @@ class EngineStats:
     prefill_s: float = 0.0
     prefill_tokens: int = 0  # prompt tokens run through the model, alone or as chunks of decode steps
     chunked_steps: int = 0  # decode steps that also carried prompt chunks
-    positions_run: int = 0  # query positions of decode forwards (batch bucket x slots run x B)
+    # query positions of decode forwards: sdpa (packed) runs the decoding rows' resident slots end to end, padded to
+    # `token_bucket`; the flex / compiled layout runs batch bucket x slots x B
+    positions_run: int = 0
     resident_positions: int = 0  # of those, positions of resident (ACTIVE / TO_CACHE) slots of decoding rows
     logit_rows: int = 0  # positions whose logits the head computed (ACTIVE windows, padding included)
     prefix_query_tokens: int = 0  # block-aligned prompt tokens looked up in the prefix cache at admission
