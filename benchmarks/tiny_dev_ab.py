@@ -102,14 +102,14 @@ def models_of(run: Path, arm: str) -> tuple[Path, dict[int, Path]]:
     return Path(meta["base"]), {s: arm_dir(run, arm) / f"seed{s}" / "mbd-tiny" for s in seeds}
 
 
-def decode(run: Path, arms: list[str], problems: int) -> None:
+def decode(run: Path, arms: list[str], problems: int, points: list[str]) -> None:
     for arm in arms:
         base, mbd = models_of(run, arm)
-        for name in POINTS:
+        for name in points:
             if name.startswith("singlebd"):
                 decode_one(base, name, problems, arm_dir(run, arm) / "decoded" / f"base.{name}.{problems}.json")
         for s, model in mbd.items():
-            for name in POINTS:
+            for name in points:
                 if name.startswith("multibd"):
                     decode_one(model, name, problems, arm_dir(run, arm) / "decoded" / f"seed{s}.{name}.{problems}.json")
 
@@ -122,16 +122,16 @@ def load(run: Path, arm: str, key: str, problems: int) -> dict:
     return json.loads((arm_dir(run, arm) / "decoded" / f"{key}.{problems}.json").read_text())
 
 
-def arm_report(run: Path, arm: str, problems: int) -> dict:
+def arm_report(run: Path, arm: str, problems: int, points: list[str]) -> dict:
     """Base SingleBD points, and per MultiBD point MBD-tiny vs the base's SingleBD (tau_m2t 0.9) over seeds."""
     _, mbd = models_of(run, arm)
     single = load(run, arm, "base.singlebd", problems)
     out: dict = {"seeds": sorted(mbd), "singlebd": {}, "multibd": {}}
-    for name in POINTS:
+    for name in points:
         if name.startswith("singlebd"):
             r = load(run, arm, f"base.{name}", problems)
             out["singlebd"][name] = {"accuracy": 100 * float(np.mean(r["correct"])), "tpf": tpf([r])}
-    for name in POINTS:
+    for name in points:
         if not name.startswith("multibd"):
             continue
         runs = [load(run, arm, f"seed{s}.{name}", problems) for s in sorted(mbd)]
@@ -167,8 +167,8 @@ def seeds_for_halfwidth(sd_seeds: float, se_problems: float, half: float = 1.0, 
     return None
 
 
-def report(run: Path, arms: list[str], problems: int) -> dict:
-    out = {"problems": problems, "benchmark": DEV_BENCHMARK, "arms": {a: arm_report(run, a, problems) for a in arms}}
+def report(run: Path, arms: list[str], problems: int, points: list[str]) -> dict:
+    out = {"problems": problems, "benchmark": DEV_BENCHMARK, "arms": {a: arm_report(run, a, problems, points) for a in arms}}
     for a in arms:
         r = out["arms"][a]
         single = ", ".join(f"{k} {v['accuracy']:.2f}% TPF {v['tpf']:.2f}" for k, v in r["singlebd"].items())
@@ -188,7 +188,7 @@ def report(run: Path, arms: list[str], problems: int) -> dict:
             print(line)
     if len(arms) == 2:
         out["between"] = {}
-        for name in POINTS:
+        for name in points:
             if name.startswith("multibd") and (d := between(run, arms[0], arms[1], name, problems)):
                 out["between"][name] = d
                 print(f"{arms[1]} - {arms[0]} at {name}: {d['mean']:+.2f} pp [{d['ci_low']:+.2f}, {d['ci_high']:+.2f}] "
@@ -206,15 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--problems", type=int, default=2000, help="first N dev problems")
     ap.add_argument("--run-dir", default="runs/dev_ab")
     ap.add_argument("--json", default=None, help="report: also write it here")
+    ap.add_argument("--points", nargs="+", default=list(POINTS), choices=list(POINTS),
+                    help="decode / report: these points only (the base's singlebd is always needed)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     run = Path(args.run_dir).resolve()
     if args.phase == "train":
         train(run, args.arm[0], resolve_path(args.base), args.sets, args.seeds, not args.no_progress)
     elif args.phase == "decode":
-        decode(run, args.arm, args.problems)
+        decode(run, args.arm, args.problems, args.points)
     else:
-        result = report(run, args.arm, args.problems)
+        result = report(run, args.arm, args.problems, args.points)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from mbd import storage
 from mbd.config import apply_sets, read_yaml, validate
 from mbd.hub import resolve_model
-from mbd.multitf.corrupt import ROW_SCHEMA
+from mbd.multitf.corrupt import ROW_SCHEMA, Masking
 from mbd.multitf.records import BadRecord, load_tokenizer, tokenize_record
 from mbd.multitf.rows import LayoutSection, TokenizedSequence, sequence_rows
 from mbd.multitf.schedulers import SchedulerConfig, SchedulerName, build_scheduler
@@ -81,6 +81,8 @@ class ExpandConfig(BaseModel):
     gmax: int = Field(default=4, ge=2, description="G_max, largest noise-group")
     n_rand: int = Field(default=0, ge=0, description="N_rand, random group-layouts per sequence")
     scheduler: SchedulerConfig = SchedulerConfig()
+    masking: Masking = Field(default="floor_count", description="floor_count (alg:multitf_training) or bernoulli "
+                                                                "(eq:forward): mbd.multitf.corrupt")
     seed: int = Field(default=0, ge=0)
     epoch: int = Field(default=0, ge=0, description="epoch key of the rows; training pass p redraws epoch + p")
     sequences_per_task: int = Field(default=32, gt=0, description="records per block: the unit of parallelism")
@@ -91,7 +93,8 @@ class ExpandConfig(BaseModel):
         return self
 
     def layouts(self) -> LayoutSection:
-        return LayoutSection(mode=self.mode, gmax=self.gmax, n_rand=self.n_rand, scheduler=self.scheduler)
+        return LayoutSection(mode=self.mode, gmax=self.gmax, n_rand=self.n_rand, scheduler=self.scheduler,
+                             masking=self.masking)
 
 
 class ExpandSummary(BaseModel):

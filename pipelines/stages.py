@@ -22,6 +22,7 @@ from mbd.eval.claims import Curve, load_curve
 from mbd.eval.report import CellMetrics, Method, MethodRow, method_rows
 from mbd.eval.sweep import ResultStore
 from mbd.multitf.objectives import ObjectiveSection
+from mbd.multitf.corrupt import Masking
 from mbd.multitf.schedulers import SchedulerConfig
 
 __all__ = ["DEFAULT_CONFIG", "BENCHMARK", "DEV_BENCHMARK", "SINGLEBD", "MULTIBD_TF", "MethodSpec", "QuickstartConfig",
@@ -48,6 +49,8 @@ class ExpandSection(StrictModel):
     gmax: int = Field(default=4, ge=2)
     n_rand: int = Field(default=2, ge=0)
     scheduler: SchedulerConfig = SchedulerConfig()
+    masking: Masking = Field(default="floor_count", description="floor_count (alg:multitf_training) or bernoulli "
+                                                                "(eq:forward): mbd.multitf.corrupt")
     max_length: int = Field(default=128, gt=0, description="padded prompt + response tokens")
     sequences_per_task: int = Field(default=250, gt=0)
 
@@ -199,7 +202,8 @@ def expand_stage(cfg: QuickstartConfig, corpus: Path, out: Path, base: Path, exp
     e = expand or cfg.expand
     summary = run_expand(ExpandConfig(
         inputs=[str(corpus)], output_dir=str(out), model_dir=str(base), max_length=e.max_length, mode=e.mode,
-        gmax=e.gmax, n_rand=e.n_rand, scheduler=e.scheduler, seed=cfg.seed, sequences_per_task=e.sequences_per_task))
+        gmax=e.gmax, n_rand=e.n_rand, scheduler=e.scheduler, masking=e.masking, seed=cfg.seed,
+        sequences_per_task=e.sequences_per_task))
     print(f"    {summary.sequences_ok} sequences x {summary.layouts_per_sequence} group-layouts = {summary.rows_out} "
           f"rows ({summary.rows_per_s:.0f} rows/s) -> {summary.rows_dir}; quarantined {summary.quarantined}")
     if summary.quarantined:
@@ -222,7 +226,8 @@ def train_config(cfg: QuickstartConfig, run: Path, base: Path, rows_dir: str, na
                 "export_dir": str((export_dir or run / "mbd-tiny").resolve())},
         "model_path": str(base.resolve()),
         "data": {"parquet": str(Path(rows_dir).resolve()), "max_length": e.max_length, "probe_rows": 16},
-        "layouts": {"mode": "multitf", "gmax": e.gmax, "n_rand": e.n_rand, "scheduler": e.scheduler.model_dump()},
+        "layouts": {"mode": "multitf", "gmax": e.gmax, "n_rand": e.n_rand, "scheduler": e.scheduler.model_dump(),
+                    "masking": e.masking},
         "objective": objective.model_dump(),
         "deepspeed": {"zero_stage": t.zero_stage, "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
                       "lr": t.lr, "warmup_steps": t.warmup_steps, "min_lr_ratio": t.min_lr_ratio,

@@ -1,5 +1,7 @@
 """Rows per layout mode (the authors' D2F ablation included) and noise redrawn on every training pass."""
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -111,3 +113,18 @@ def test_reproduce_d2f_variant_expands_the_authors_d2f_rows():
     expand = ExpandConfig(inputs=["x.jsonl"], output_dir="o", model_dir="m", mode=d2f.mode, gmax=d2f.gmax,
                           n_rand=d2f.n_rand, scheduler=d2f.scheduler)
     assert expand.layouts().layouts_per_sequence == 1
+
+
+def test_the_quickstart_masking_reaches_the_rows_and_the_training_record(tmp_path):
+    """`expand.masking` (floor_count by default, bernoulli as eq:forward) is what the expansion corrupts with and
+    what the post-training run records."""
+    from pipelines.expand_layouts import ExpandConfig
+    from pipelines.stages import DEFAULT_CONFIG, load_config, train_config
+
+    assert load_config(DEFAULT_CONFIG).expand.masking == "floor_count"
+    cfg = load_config(DEFAULT_CONFIG, ["expand.masking=bernoulli"])
+    e = cfg.expand
+    expand = ExpandConfig(inputs=["x.jsonl"], output_dir="o", model_dir="m", gmax=e.gmax, n_rand=e.n_rand,
+                          scheduler=e.scheduler, masking=e.masking)
+    assert expand.layouts().masking == "bernoulli"
+    assert train_config(cfg, tmp_path, Path("mbd/assets/tiny").resolve(), str(tmp_path)).layouts.masking == "bernoulli"
