@@ -88,7 +88,7 @@ def test_the_folder_is_keyed_by_every_setting_that_decides_a_result(tmp_path):
     assert registration_dir(_cfg(5, "eval.problems=500"), tmp_path) != base
     # the decode settings the file holds, not only its path
     strict = tmp_path / "multibd.yaml"
-    strict.write_text(resolve_path(_cfg(5).eval.multibd).read_text().replace("tau_add: 0.5", "tau_add: 0.25"))
+    strict.write_text(resolve_path(_cfg(5).eval.multibd).read_text().replace("tau_add: 0.49", "tau_add: 0.25"))
     assert "tau_add: 0.25" in strict.read_text()
     assert registration_dir(_cfg(5, f"eval.multibd={strict}"), tmp_path) != base
     # where it writes and how many CPUs it gets decide no result
