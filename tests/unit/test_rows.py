@@ -116,15 +116,17 @@ def test_reproduce_d2f_variant_expands_the_authors_d2f_rows():
 
 
 def test_the_quickstart_masking_reaches_the_rows_and_the_training_record(tmp_path):
-    """`expand.masking` (floor_count by default, bernoulli as eq:forward) is what the expansion corrupts with and
-    what the post-training run records."""
+    """`expand.masking` (the tiny recipe's bernoulli, eq:forward, since issue 67; floor_count, alg:multitf_training,
+    the library's default) is what the expansion corrupts with and what the post-training run records."""
     from pipelines.expand_layouts import ExpandConfig
-    from pipelines.stages import DEFAULT_CONFIG, load_config, train_config
+    from pipelines.stages import DEFAULT_CONFIG, ExpandSection, load_config, train_config
 
-    assert load_config(DEFAULT_CONFIG).expand.masking == "floor_count"
-    cfg = load_config(DEFAULT_CONFIG, ["expand.masking=bernoulli"])
-    e = cfg.expand
-    expand = ExpandConfig(inputs=["x.jsonl"], output_dir="o", model_dir="m", gmax=e.gmax, n_rand=e.n_rand,
-                          scheduler=e.scheduler, masking=e.masking)
-    assert expand.layouts().masking == "bernoulli"
-    assert train_config(cfg, tmp_path, Path("mbd/assets/tiny").resolve(), str(tmp_path)).layouts.masking == "bernoulli"
+    assert ExpandSection().masking == "floor_count" and ExpandConfig(inputs=["x"], output_dir="o",
+                                                                     model_dir="m").masking == "floor_count"
+    for sets, masking in (([], "bernoulli"), (["expand.masking=floor_count"], "floor_count")):
+        cfg = load_config(DEFAULT_CONFIG, sets)
+        e = cfg.expand
+        expand = ExpandConfig(inputs=["x.jsonl"], output_dir="o", model_dir="m", gmax=e.gmax, n_rand=e.n_rand,
+                              scheduler=e.scheduler, masking=e.masking)
+        assert e.masking == expand.layouts().masking == masking
+        assert train_config(cfg, tmp_path, Path("mbd/assets/tiny").resolve(), str(tmp_path)).layouts.masking == masking
